@@ -1,0 +1,513 @@
+"""Wires the pipeline together and owns every task's lifetime.
+
+::
+
+    source ─► producer ─► bounded Queue ─► N × Worker.run ─► Writer ─► journal (fsync)
+                               ▲                 │
+                               └── Parking ◄─────┘ (IDs waiting for their next try)
+
+``Crawler.run`` opens (and locks) the journal, starts the writer, then runs pass 1 and, after the
+cool-down, pass 2 over what failed. Each pass starts its producer, parking feeder and workers and
+ends by ``_shutdown``, which cancels and awaits every one of them: no task outlives its pass.
+
+A *halt* (fatal response, budget, storage error, ``stop()`` from a signal or a cancelled
+``run()``) sets ``halted``: no request starts after that, requests in flight get ``grace``
+seconds (a second ``stop()`` cuts it short), and what they bring back is recorded. Counts only
+change when the writer reports a record durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal as signal_mod
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from . import __version__
+from .alerts import send_alerts
+from .config import Config
+from .errors import AsyncrawlError, StorageError
+from .fetch import Attempt, Classifier, Fetcher, Outcome, Request
+from .governor import Budget, Governor
+from .journal import Journal, Record, Writer
+from .source import file_ids, iter_ids, prescan_file
+from .worker import Item, Parking, Worker
+
+log = logging.getLogger("asyncrawl")
+
+
+@dataclass(frozen=True, slots=True)
+class Halt:
+    """Why a run stopped before finishing. ``reason``: fatal, budget, storage, signal, cancelled."""
+
+    reason: str
+    status: int | None = None
+    message: str = ""
+    signal: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"reason": self.reason, "status": self.status, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """An ID's recorded outcome, handed to ``on_result`` once it is durable."""
+
+    id: str
+    outcome: str  # ok | failed | unavailable
+    status: int | None
+    data: Any
+    error: str | None
+    permanent: bool
+    pass_no: int
+    tries: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A snapshot for progress displays (``on_progress``)."""
+
+    pass_no: int
+    total: int | None
+    done: int
+    ok: int
+    failed: int
+    unavailable: int
+    skipped: int
+    retries: int
+    requests: int
+    in_flight: int
+    parked: int
+    rate: float
+    paused_for: float
+    elapsed: float
+    eta: float | None
+    cooling_down: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What a run ended with. ``ok``/``failed``/``unavailable``/``pending`` count this run's IDs
+    by their state after the run (IDs settled by earlier runs included)."""
+
+    ok: int
+    failed: int
+    unavailable: int
+    pending: int
+    fetched: int
+    skipped: int
+    duplicates: int
+    retries: int
+    requests: int
+    billable: int
+    halt: Halt | None
+    elapsed: float
+    state_dir: str
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI exit code this summary stands for (SPEC §6)."""
+        if self.halt is not None:
+            h = self.halt
+            if h.reason == "fatal":
+                return 3
+            if h.reason == "budget":
+                return 4
+            if h.reason == "storage":
+                return 5
+            if h.reason == "signal":
+                return 128 + (h.signal or signal_mod.SIGINT)
+            return 130
+        if self.failed or self.pending:
+            return 6
+        return 0
+
+
+class Crawler:
+    """Fetch every ID once. Use as ``async with Crawler(config) as c: summary = await c.run(ids)``.
+
+    Args:
+        config: the job's configuration.
+        session: an ``aiohttp.ClientSession`` to use; it is never closed by the crawler.
+        request_for: hook building the ``Request`` for an ID (default: the config's template).
+        classify: hook overriding the outcome class of a response (return ``None`` to keep it).
+        on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
+        on_progress: called with a ``Progress`` snapshot every ``progress_every`` seconds.
+        on_halt: called with the ``Halt`` and ``Summary`` when a run halts early.
+        total: the number of IDs, if known (for the ETA).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        request_for: Callable[[str], Request] | None = None,
+        classify: Classifier | None = None,
+        on_result: Callable[[Result], None] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_halt: Callable[[Halt, Summary], None] | None = None,
+        progress_every: float = 1.0,
+        total: int | None = None,
+    ) -> None:
+        self.config = config
+        self._session = session
+        self._own_session: aiohttp.ClientSession | None = None
+        self._request_for = request_for
+        self._classify = classify
+        self.on_result = on_result
+        self.on_progress = on_progress
+        self.on_halt = on_halt
+        self.progress_every = progress_every
+        self.total = total
+        self.halt: Halt | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.halted = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._wake = asyncio.Event()
+        self.halt = None
+        self.pass_no = 1
+        self.ok = self.failed = self.unavailable = 0
+        self.skipped = self.duplicates = 0
+        self.retries = self.requests = self.billable = 0
+        self._outstanding = 0
+        self._feeding = False
+        self._failed: dict[str, tuple[bool, int | None, str | None, int]] = {}
+        self._workers: Worker | None = None
+        self._governor: Governor | None = None
+        self._journal: Journal | None = None
+        self._writer: Writer | None = None
+        self._started = time.monotonic()
+        self._cooling = False
+        self._rate_samples: list[tuple[float, int]] = []
+
+    def __repr__(self) -> str:
+        return (f"<Crawler pass={self.pass_no} ok={self.ok} failed={self.failed} "
+                f"unavailable={self.unavailable} halt={self.halt and self.halt.reason} "
+                f"{self._workers!r} {self._governor!r} {self._writer!r}>")
+
+    async def __aenter__(self) -> Crawler:
+        if self._session is None:
+            self._own_session = self._new_session()
+            self._session = self._own_session
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._own_session is not None:
+            await self._own_session.close()
+            self._session = self._own_session = None
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=self.config.concurrency, ttl_dns_cache=300)
+        return aiohttp.ClientSession(connector=connector)
+
+    # -- control -------------------------------------------------------------------------------
+
+    def stop(self, reason: str = "signal", *, signum: int | None = None) -> None:
+        """Stop the run like SIGINT: no new requests, in-flight ones get the grace period.
+        A second call cuts the grace period short."""
+        if self.halted.is_set():
+            self._hurry.set()
+            return
+        name = signal_mod.Signals(signum).name if signum else reason
+        self._set_halt(Halt(reason, None, f"stopped by {name}", signum))
+
+    def _cancelled(self) -> None:
+        if not self.halted.is_set():
+            self._set_halt(Halt("cancelled", None, "the task running Crawler.run() was cancelled"))
+
+    def _set_halt(self, halt: Halt) -> None:
+        if self.halt is None:  # the first reason wins
+            self.halt = halt
+        self.halted.set()
+        self._wake.set()
+
+    def _on_halt(self, reason: str, attempt: Attempt | None) -> None:
+        if reason == "fatal" and attempt is not None:
+            self._set_halt(Halt("fatal", attempt.status, self.config.redact(
+                f"fatal response {attempt.error or attempt.status}")))
+        elif reason == "budget":
+            self._set_halt(Halt("budget", None, f"request budget of {self._budget_limit} "
+                                                "billable calls reached"))
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def run(self, ids: Iterable[str] | AsyncIterable[str] | None = None) -> Summary:
+        """Fetch every unsettled ID of ``ids`` (default: the config's IDs file)."""
+        self._reset()
+        cfg = self.config
+        ids_path = None
+        if ids is None:
+            if not cfg.ids or cfg.ids == "-":
+                raise AsyncrawlError("no IDs: pass ids= or set [source] ids to a file")
+            ids_path = cfg.ids
+            total = await asyncio.to_thread(prescan_file, ids_path)
+            self.total = total if self.total is None else self.total
+        journal = await Journal.open(cfg.state_dir)
+        self._journal = journal
+        session = self._session
+        own = None
+        if session is None:
+            session = own = self._new_session()
+        try:
+            await journal.start_appending()
+            return await self._run(journal, session, ids, ids_path)
+        finally:
+            if own is not None:
+                await own.close()
+            await journal.close()
+
+    async def _run(self, journal: Journal, session: aiohttp.ClientSession,
+                   ids: Iterable[str] | AsyncIterable[str] | None, ids_path: str | None) -> Summary:
+        cfg = self.config
+        writer = self._writer = Writer(journal, on_commit=self._on_commit,
+                                       on_error=self._on_storage_error)
+        writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
+        ticker = asyncio.create_task(self._tick(), name="asyncrawl-progress")
+        self._governor = Governor(rate=cfg.rate, burst=cfg.burst or 1)
+        self._budget_limit = cfg.request_budget
+        budget = Budget(self._budget_limit)
+        fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify)
+        seen: set[str] = set()
+        source: AsyncIterator[str] = file_ids(ids_path) if ids_path else iter_ids(ids or ())
+        writer.put(Record("run", extra={"version": __version__, "pid": os.getpid()}))
+        error: BaseException | None = None
+        try:
+            await self._pass(1, self._first_pass_ids(source, seen), fetcher, budget)
+            if cfg.second_pass and self._failed and not self.halted.is_set():
+                self._cooling = True
+                await self._wait_first(self.halted, timeout=cfg.cooldown)
+                self._cooling = False
+                if not self.halted.is_set():
+                    await self._pass(2, self._second_pass_ids(), fetcher, budget)
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if self.halt is not None and self.halt.reason != "storage":
+                writer.put(Record("halt", status=self.halt.status, error=self.halt.message,
+                                  extra={"reason": self.halt.reason}))
+            writer.put(Record("end", extra={"error": type(error).__name__} if error else None))
+            writer.close()
+            await _finish(writer_task)
+            ticker.cancel()
+            await _finish(ticker)
+        summary = self._summary(journal, seen)
+        if self.halt is not None and self.halt.reason in ("fatal", "budget", "storage"):
+            await send_alerts(cfg, self.halt, summary, session)
+            if self.on_halt is not None:
+                self.on_halt(self.halt, summary)
+        return summary
+
+    async def _first_pass_ids(self, source: AsyncIterator[str], seen: set[str]) -> AsyncIterator[str]:
+        outcome = self._journal.state.outcome if self._journal else {}
+        async for item in source:
+            if item in seen:
+                self.duplicates += 1
+                continue
+            seen.add(item)
+            if outcome.get(item) in ("ok", "unavailable"):
+                self.skipped += 1
+                continue
+            yield item
+
+    async def _second_pass_ids(self) -> AsyncIterator[str]:
+        failed, self._failed = self._failed, {}
+        for item, (permanent, status, error, tries) in failed.items():
+            if permanent and not self.config.recheck_permanent:
+                self._settle(Item(item, tries), "unavailable",
+                             Attempt(Outcome.SKIP, status, error=error),
+                             permanent=True, count_pass=False)
+                continue
+            yield item
+
+    async def _pass(self, pass_no: int, ids: AsyncIterator[str], fetcher: Fetcher,
+                    budget: Budget) -> None:
+        cfg = self.config
+        self.pass_no = pass_no
+        self._wake.clear()
+        queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max(64, 2 * cfg.concurrency))
+        parking = Parking(queue)
+        workers = self._workers = Worker(
+            config=cfg, queue=queue, parking=parking, governor=self._governor,  # type: ignore[arg-type]
+            budget=budget, fetcher=fetcher, halted=self.halted, settle=self._settle,
+            halt=self._on_halt, pass_no=pass_no)
+        self._outstanding = 0
+        self._feeding = True
+        producer = asyncio.create_task(self._produce(ids, queue), name=f"asyncrawl-producer-{pass_no}")
+        feeder = asyncio.create_task(parking.run(), name=f"asyncrawl-parking-{pass_no}")
+        tasks = [asyncio.create_task(workers.run(), name=f"asyncrawl-worker-{pass_no}-{i}")
+                 for i in range(cfg.concurrency)]
+        for t in (producer, feeder, *tasks):
+            t.add_done_callback(self._task_done)
+        try:
+            await self._wake.wait()
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        finally:
+            await self._shutdown(producer, feeder, tasks, workers)
+            self.requests += workers.requests
+            self.retries += workers.retries
+        for t in (producer, feeder, *tasks):
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._wake.set()  # a task died: wake the pass so the error surfaces
+
+    async def _produce(self, ids: AsyncIterator[str], queue: asyncio.Queue[Item]) -> None:
+        async for item in ids:
+            if self.halted.is_set():
+                break
+            self._outstanding += 1
+            await queue.put(Item(item))
+        self._feeding = False
+        if self._outstanding == 0:
+            self._wake.set()
+
+    async def _shutdown(self, producer: asyncio.Task[None], feeder: asyncio.Task[None],
+                        tasks: list[asyncio.Task[None]], workers: Worker) -> None:
+        producer.cancel()
+        feeder.cancel()
+        if self.halted.is_set() and workers.in_flight:
+            await self._wait_first(workers.idle, self._hurry, timeout=self.config.grace)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(producer, feeder, *tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _wait_first(*events: asyncio.Event, timeout: float) -> None:
+        waiters = [asyncio.create_task(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+    # -- recording -----------------------------------------------------------------------------
+
+    def _settle(self, item: Item, kind: str, attempt: Attempt, *, permanent: bool,
+                count_pass: bool = True) -> None:
+        """A worker's final word on an ID for this pass: queue its record for the writer."""
+        assert self._writer is not None
+        rec = Record(kind, item.id, status=attempt.status, error=attempt.error,
+                     permanent=permanent, data=attempt.data, pass_no=self.pass_no,
+                     tries=item.tries, paid=item.paid)
+        self._writer.put(rec)
+        if kind == "failed":
+            self._failed[item.id] = (permanent, attempt.status, attempt.error, item.tries)
+        if count_pass:
+            self._outstanding -= 1
+            if self._outstanding == 0 and not self._feeding:
+                self._wake.set()
+
+    def _on_commit(self, records: list[Record]) -> None:
+        """Called by the writer once ``records`` are durable: only now do they count."""
+        assert self._journal is not None
+        outcome = self._journal.state.outcome
+        for rec in records:
+            kind = rec.kind
+            if kind == "ok":
+                self.ok += 1
+            elif kind == "failed":
+                self.failed += 1
+            elif kind == "unavailable":
+                self.unavailable += 1
+            else:
+                continue
+            self.billable += rec.paid
+            if outcome.get(rec.id) != "ok":  # type: ignore[arg-type]
+                outcome[rec.id] = "perm" if kind == "failed" and rec.permanent else kind  # type: ignore[index]
+            if self.on_result is not None:
+                try:
+                    self.on_result(Result(rec.id, kind, rec.status, rec.data, rec.error,  # type: ignore[arg-type]
+                                          rec.permanent, rec.pass_no, rec.tries))
+                except Exception:
+                    log.exception("on_result hook failed for ID %r", rec.id)
+
+    def _on_storage_error(self, error: StorageError) -> None:
+        self._set_halt(Halt("storage", None, str(error)))
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def progress(self) -> Progress:
+        """A snapshot of the run's progress."""
+        now = time.monotonic()
+        w = self._workers
+        requests = self.requests + (w.requests if w else 0)
+        samples = self._rate_samples
+        samples.append((now, requests))
+        while len(samples) > 2 and now - samples[0][0] > 10:
+            samples.pop(0)
+        t0, r0 = samples[0]
+        rate = (requests - r0) / (now - t0) if now - t0 > 0.2 else 0.0
+        done = self.ok + self.failed + self.unavailable + self.skipped
+        eta = None
+        if self.total is not None and self.pass_no == 1:
+            elapsed = now - self._started
+            settled_here = self.ok + self.failed + self.unavailable
+            left = max(0, self.total - done - self.duplicates)
+            if settled_here and elapsed > 1:
+                eta = left / (settled_here / elapsed)
+        return Progress(
+            pass_no=self.pass_no, total=self.total, done=done, ok=self.ok, failed=self.failed,
+            unavailable=self.unavailable, skipped=self.skipped,
+            retries=self.retries + (w.retries if w else 0), requests=requests,
+            in_flight=w.in_flight if w else 0, parked=len(w.parking) if w else 0, rate=rate,
+            paused_for=self._governor.paused_for if self._governor else 0.0,
+            elapsed=now - self._started, eta=eta, cooling_down=self._cooling)
+
+    async def _tick(self) -> None:
+        if self.on_progress is None:
+            return
+        while True:
+            await asyncio.sleep(self.progress_every)
+            try:
+                self.on_progress(self.progress())
+            except Exception:
+                log.exception("on_progress hook failed")
+
+    def _summary(self, journal: Journal, seen: set[str]) -> Summary:
+        outcome = journal.state.outcome
+        ok = failed = unavailable = pending = 0
+        for item in seen:
+            st = outcome.get(item)
+            if st == "ok":
+                ok += 1
+            elif st == "unavailable":
+                unavailable += 1
+            elif st in ("failed", "perm"):
+                failed += 1
+            else:
+                pending += 1
+        return Summary(ok=ok, failed=failed, unavailable=unavailable, pending=pending,
+                       fetched=self.ok, skipped=self.skipped, duplicates=self.duplicates,
+                       retries=self.retries, requests=self.requests, billable=self.billable,
+                       halt=self.halt, elapsed=time.monotonic() - self._started,
+                       state_dir=str(journal.state_dir))
+
+
+async def _finish(task: asyncio.Task[Any]) -> None:
+    """Await a task we own, even if our caller is being cancelled meanwhile."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)
+    if not task.done():  # we were cancelled while it still ran: wait once more, then let go
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]

@@ -1,0 +1,79 @@
+"""The exception tree. Every error asyncrawl raises on purpose is an ``AsyncrawlError``.
+
+::
+
+    AsyncrawlError
+    ├── ConfigError        bad config file, key, value or flag       (CLI exit 2)
+    ├── InputError         bad IDs file: unreadable, bad line        (CLI exit 2)
+    ├── LockedError        another run holds the state directory     (CLI exit 2)
+    └── StorageError       the journal cannot be written or read     (CLI exit 5)
+        └── JournalCorrupt damage inside the journal (not a torn tail)
+
+Network and HTTP problems are *not* exceptions: they are outcomes (see ``fetch.py``), recorded in
+the journal. aiohttp's exceptions are mapped to outcomes at exactly one place, ``fetch.attempt``,
+so callers never see a backend's exceptions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class AsyncrawlError(Exception):
+    """Root of every error asyncrawl raises on purpose."""
+
+    exit_code = 1
+
+
+class ConfigError(AsyncrawlError):
+    """The configuration (file, keyword or command-line flag) is invalid. Names the key."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, key: str | None = None, path: Path | str | None = None):
+        self.key = key
+        self.path = str(path) if path is not None else None
+        where = []
+        if self.path:
+            where.append(self.path)
+        if key:
+            where.append(key)
+        super().__init__(f"{': '.join(where)}: {message}" if where else message)
+
+
+class InputError(AsyncrawlError):
+    """The ID source is unreadable or holds an invalid line. Names the file and line."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        self.path = path
+        self.line = line
+        where = path or "<ids>"
+        if line is not None:
+            where = f"{where}:{line}"
+        super().__init__(f"{where}: {message}")
+
+
+class LockedError(AsyncrawlError):
+    """Another run holds the state directory."""
+
+    exit_code = 2
+
+
+class StorageError(AsyncrawlError):
+    """The state directory cannot be written, fsynced or read. Names the path."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, path: Path | str | None = None):
+        self.path = str(path) if path is not None else None
+        super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+class JournalCorrupt(StorageError):
+    """The journal is damaged before its last record, so repairing it would drop records."""
+
+    def __init__(self, message: str, *, path: Path | str, offset: int):
+        self.offset = offset
+        super().__init__(f"{message} at byte offset {offset}", path=path)

@@ -1,0 +1,439 @@
+"""A fault-injecting mock of a paid, rate-limited item API: a real aiohttp server on loopback.
+
+Used by ``asyncrawl demo``, by the test suite (in-process, or as a separate process via
+``python -m asyncrawl.testing``), and by users who want to try a configuration against realistic
+faults without a key or a network::
+
+    async with MockAPI(faults=demo_faults, balance=1000) as api:
+        config = asyncrawl.Config(url=api.item_url, headers={"X-Api-Key": "demo-key"})
+        ...
+        assert api.paid() == [...]            # what would have been billed
+
+Routes: ``GET|POST /items/{id}`` (the ID percent-encoded as one path segment; ``%2F`` works)
+and ``GET /health``. Each item request passes these checks in order:
+
+1. auth: ``X-Api-Key: K`` or ``Authorization: Bearer K``, else 401 (skipped if ``api_key=None``);
+2. quota: beyond ``quota`` requests in the current 1-second window, 429 with ``Retry-After: 1``;
+3. balance: once ``balance`` paid answers were given, 402 ``{"error": "insufficient balance"}``;
+4. the ID's :class:`Fault`. Per-ID attempt counters (``times``) count only requests that get
+   this far. A 200 carrying :func:`payload_for` is billed and uses one unit of balance.
+
+NOTE: aiohttp's client silently resends an idempotent request (GET) once when the server drops
+the connection, so a ``drop`` fault with ``times=1`` is invisible to a GET client; use
+``times=2`` (or POST) to make the client see the disconnect. The log shows every attempt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import email.utils
+import math
+import os
+import signal
+import sys
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, BinaryIO
+
+import orjson
+from aiohttp import web
+
+__all__ = ["Fault", "LogEntry", "MockAPI", "demo_faults", "main", "no_faults", "payload_for",
+           "read_log"]
+
+KINDS = frozenset({"ok", "not_found", "bad_request", "gone", "flaky", "rate_limited", "slow",
+                   "drop", "invalid_json", "error_in_body"})
+_ALWAYS = {"not_found": 404, "bad_request": 400, "gone": 500}  # status for every attempt
+_FIRST_TIMES = frozenset({"flaky", "rate_limited", "drop", "invalid_json"})  # use `times`
+_JSON = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """How the mock answers one ID.
+
+    ``kind`` is one of: ``ok``; ``not_found`` / ``bad_request`` / ``gone`` (404 / 400 / 500 on
+    every attempt); ``flaky`` (503), ``rate_limited`` (429 + ``Retry-After``), ``drop`` (connection
+    closed, no response) and ``invalid_json`` (200 with a truncated JSON body), each for the first
+    ``times`` attempts and then ok; ``slow`` (ok after ``delay`` seconds); ``error_in_body`` (200
+    with ``{"code": status, "message": ...}`` on every attempt, never billed).
+    """
+
+    kind: str = "ok"
+    times: int = 1
+    retry_after: float = 1.0
+    http_date: bool = False  # Retry-After as an RFC 9110 IMF-fixdate instead of seconds
+    delay: float = 0.0
+    status: int = 402  # the code inside an error_in_body answer
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; use one of {sorted(KINDS)}")
+        if self.times < 0 or self.retry_after < 0 or self.delay < 0:
+            raise ValueError("Fault times, retry_after and delay must be >= 0")
+
+
+_OK = Fault()
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One event seen by the mock: a request arriving (``start``) or being answered (``end``)."""
+
+    seq: int  # global order of events
+    event: str  # "start" or "end"
+    id: str
+    status: int | None  # None for "start"; 0 when the connection was dropped without an answer
+    t: float  # time.time()
+    authorized: bool
+
+
+def _crc(salt: bytes, item_id: str) -> int:
+    return zlib.crc32(salt + item_id.encode("utf-8", "surrogatepass"))
+
+
+def payload_for(item_id: str) -> dict[str, Any]:
+    """The deterministic JSON object a successful (200) answer carries for ``item_id``."""
+    return {"id": item_id, "title": f"Item {item_id}", "value": _crc(b"value:", item_id) % 100_000}
+
+
+# Per-mille shares of the demo mixture; the remaining 850 are ok.
+_DEMO_MIX: tuple[tuple[int, Fault], ...] = (
+    (30, Fault("not_found")),
+    (10, Fault("bad_request")),
+    (10, Fault("gone")),
+    (25, Fault("flaky", times=1)),
+    (25, Fault("flaky", times=2)),
+    (10, Fault("rate_limited", retry_after=1.0)),
+    (10, Fault("rate_limited", retry_after=1.0, http_date=True)),
+    (10, Fault("slow", delay=0.2)),
+    (10, Fault("drop", times=1)),
+    (10, Fault("invalid_json", times=1)),
+)
+_DEMO_TABLE: tuple[Fault, ...] = tuple(f for n, f in _DEMO_MIX for _ in range(n))
+
+
+def demo_faults(item_id: str) -> Fault:
+    """A deterministic mixture chosen by ``zlib.crc32`` of the ID: about 15% of IDs misbehave.
+
+    3% not_found, 1% bad_request, 1% gone, 5% flaky (half ``times=1``, half ``times=2``), 2%
+    rate_limited (half with an HTTP-date ``Retry-After``), 1% slow (0.2 s), 1% drop, 1%
+    invalid_json; the rest are ok.
+    """
+    bucket = _crc(b"fault:", item_id) % 1000
+    return _DEMO_TABLE[bucket] if bucket < len(_DEMO_TABLE) else _OK
+
+
+def no_faults(item_id: str) -> Fault:
+    """Every ID answers 200 with :func:`payload_for`."""
+    return _OK
+
+
+def read_log(path: str | os.PathLike[str]) -> list[LogEntry]:
+    """Read a log file written with ``log_path``; a torn last line (a killed writer) is ignored."""
+    entries: list[LogEntry] = []
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                entries.append(LogEntry(**orjson.loads(line)))
+            except (orjson.JSONDecodeError, TypeError):
+                break
+    return entries
+
+
+@dataclass(slots=True)
+class _Reply:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] | None = None
+    wait: float = 0.0
+    drop: bool = False
+    billed: bool = False
+
+
+def _error(status: int, message: str, **headers: str) -> _Reply:
+    return _Reply(status, orjson.dumps({"error": message}), headers or None)
+
+
+class MockAPI:
+    """The mock server. Start with ``await api.start()`` or ``async with MockAPI(...) as api``.
+
+    Args:
+        faults: an ID -> :class:`Fault` function, or a mapping (missing IDs are ok); None: no
+            faults.
+        api_key: the key clients must send; None disables the check.
+        balance: how many paid answers are given before every further request gets 402;
+            None: unlimited.
+        latency: seconds added to every answer.
+        log_path: also append every :class:`LogEntry` to this file as a JSON line, written
+            unbuffered so another process can read it even after this one is killed.
+        quota: a hard limit in requests per second (a fixed 1-second window); None: no limit.
+    """
+
+    def __init__(
+        self,
+        *,
+        faults: Callable[[str], Fault] | Mapping[str, Fault] | None = None,
+        api_key: str | None = "demo-key",
+        balance: int | None = None,
+        latency: float = 0.0,
+        log_path: str | os.PathLike[str] | None = None,
+        quota: float | None = None,
+    ) -> None:
+        if faults is None:
+            faults = no_faults
+        elif isinstance(faults, Mapping):
+            faults = _mapping_faults(faults)
+        self._faults: Callable[[str], Fault] = faults
+        self._api_key = api_key
+        self._bearer = f"Bearer {api_key}"
+        self._balance_left = balance
+        self._latency = latency
+        self._log_path = log_path
+        self._quota = quota
+        self._window = -1
+        self._window_count = 0
+        self._attempts: collections.Counter[str] = collections.Counter()
+        self._paid: list[str] = []
+        self._requests = 0
+        self._answered = 0
+        self._log_file: BinaryIO | None = None
+        self._runner: web.AppRunner | None = None
+        self.log: list[LogEntry] = []
+        self.url = ""
+        self.item_url = ""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Start serving on ``host:port`` (0: any free port) and return the base URL."""
+        if self._runner is not None:
+            raise RuntimeError("MockAPI is already started")
+        if self._log_path is not None:
+            self._log_file = await asyncio.to_thread(open, self._log_path, "ab", buffering=0)
+        app = web.Application()
+        app.router.add_get("/items/{id:.+}", self._handle, allow_head=False)
+        app.router.add_post("/items/{id:.+}", self._handle)
+        app.router.add_get("/health", _health)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        bound_port = runner.addresses[0][1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
+        self.item_url = f"{self.url}/items/{{id}}"
+        return self.url
+
+    async def close(self) -> None:
+        """Stop serving (in-flight answers get about 1 s) and close the log file. Idempotent."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        log_file, self._log_file = self._log_file, None
+        if log_file is not None:
+            log_file.close()
+
+    async def __aenter__(self) -> MockAPI:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def url_for(self, item_id: str) -> str:
+        """The URL of one item, the ID percent-encoded as a single path segment."""
+        from urllib.parse import quote
+
+        return self.item_url.replace("{id}", quote(item_id, safe=""))
+
+    @property
+    def balance_left(self) -> int | None:
+        """Paid answers left before 402s start (None: unlimited)."""
+        return self._balance_left
+
+    def starts(self) -> list[str]:
+        """IDs in arrival order, one per request."""
+        return [e.id for e in self.log if e.event == "start"]
+
+    def paid(self) -> list[str]:
+        """IDs answered 200 with a valid payload (billed), in answer order."""
+        return list(self._paid)
+
+    def counts(self) -> collections.Counter[int]:
+        """Answer status -> count (0 counts dropped connections)."""
+        return collections.Counter(e.status for e in self.log if e.status is not None)
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._runner is None else self.url
+        balance = "unlimited" if self._balance_left is None else self._balance_left
+        return (f"<MockAPI {state} requests={self._requests}"
+                f" in_flight={self._requests - self._answered} paid={len(self._paid)}"
+                f" balance_left={balance}>")
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def _record(self, event: str, item_id: str, status: int | None, authorized: bool) -> None:
+        if status is None:
+            self._requests += 1
+        else:
+            self._answered += 1
+        entry = LogEntry(len(self.log), event, item_id, status, time.time(), authorized)
+        self.log.append(entry)
+        if self._log_file is not None:
+            self._log_file.write(orjson.dumps({
+                "seq": entry.seq, "event": event, "id": item_id, "status": status,
+                "t": entry.t, "authorized": authorized,
+            }, option=orjson.OPT_APPEND_NEWLINE))
+
+    def _is_authorized(self, request: web.Request) -> bool:
+        if self._api_key is None:
+            return True
+        headers = request.headers
+        return (headers.get("X-Api-Key") == self._api_key
+                or headers.get("Authorization") == self._bearer)
+
+    def _decide(self, item_id: str, authorized: bool) -> _Reply:
+        """Pick the answer at arrival, so concurrent requests can never overdraw the balance."""
+        if not authorized:
+            return _error(401, "invalid or missing API key")
+        if self._quota is not None:
+            window = int(time.monotonic())
+            if window != self._window:
+                self._window, self._window_count = window, 0
+            if self._window_count >= self._quota:
+                return _error(429, "request quota exceeded", **{"Retry-After": "1"})
+            self._window_count += 1
+        if self._balance_left is not None and self._balance_left <= 0:
+            return _error(402, "insufficient balance")
+        fault = self._faults(item_id)
+        kind = fault.kind
+        early = False  # still within the fault's first `times` attempts?
+        if kind in _FIRST_TIMES:  # only these need a counter (keeps memory flat for big runs)
+            self._attempts[item_id] += 1
+            early = self._attempts[item_id] <= fault.times
+        if kind in _ALWAYS:
+            return _error(_ALWAYS[kind], _phrase(_ALWAYS[kind]).lower())
+        if kind == "error_in_body":
+            return _Reply(200, orjson.dumps({"code": fault.status,
+                                             "message": _phrase(fault.status)}))
+        if early and kind == "flaky":
+            return _error(503, "service unavailable")
+        if early and kind == "rate_limited":
+            if fault.http_date:
+                when = email.utils.formatdate(math.ceil(time.time() + fault.retry_after),
+                                              usegmt=True)
+            else:  # whole seconds as RFC 9110 says; a fraction is kept for fast tests
+                when = f"{fault.retry_after:.3f}".rstrip("0").rstrip(".")
+            return _error(429, "rate limited", **{"Retry-After": when})
+        if early and kind == "drop":
+            return _Reply(0, drop=True)
+        if early and kind == "invalid_json":
+            return _Reply(200, orjson.dumps(payload_for(item_id))[:-7])  # truncated: not JSON
+        if self._balance_left is not None:
+            self._balance_left -= 1
+        return _Reply(200, orjson.dumps(payload_for(item_id)), billed=True,
+                      wait=fault.delay if kind == "slow" else 0.0)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        item_id = request.match_info["id"]
+        authorized = self._is_authorized(request)
+        self._record("start", item_id, None, authorized)
+        reply = self._decide(item_id, authorized)
+        wait = self._latency + reply.wait
+        if wait > 0:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:  # server shutting down: nothing is sent or billed
+                if reply.billed and self._balance_left is not None:
+                    self._balance_left += 1
+                self._record("end", item_id, 0, authorized)
+                raise
+        self._record("end", item_id, reply.status, authorized)
+        if reply.drop:
+            # Closing the transport and returning a response makes the client see
+            # ServerDisconnectedError; aiohttp then skips the write without logging anything.
+            if request.transport is not None:
+                request.transport.close()
+            return web.Response()
+        if reply.billed:
+            self._paid.append(item_id)
+        return web.Response(body=reply.body, status=reply.status, headers=reply.headers,
+                            content_type=_JSON)
+
+
+def _mapping_faults(faults: Mapping[str, Fault]) -> Callable[[str], Fault]:
+    def lookup(item_id: str) -> Fault:
+        return faults.get(item_id, _OK)
+
+    return lookup
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"error {status}"
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"status": "ok"}', content_type=_JSON)
+
+
+# -- process entry point -----------------------------------------------------------------------
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    api = MockAPI(
+        faults=demo_faults if args.faults == "demo" else no_faults,
+        api_key=None if args.no_auth else args.api_key,
+        balance=args.balance,
+        latency=args.latency,
+        log_path=args.log,
+        quota=args.quota,
+    )
+    async with api:
+        print(f"listening on {api.url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the mock as a process until SIGTERM or SIGINT; prints ``listening on URL`` first."""
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncrawl.testing", description="Serve the fault-injecting mock API."
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 (default): any free port")
+    auth = parser.add_mutually_exclusive_group()
+    auth.add_argument("--api-key", default="demo-key", help="required key (default: demo-key)")
+    auth.add_argument("--no-auth", action="store_true", help="accept requests without a key")
+    parser.add_argument("--balance", type=int, default=None, help="paid answers before 402s")
+    parser.add_argument("--faults", choices=["demo", "none"], default="demo")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds added to each answer")
+    parser.add_argument("--log", default=None, help="append every request event as JSON lines")
+    parser.add_argument("--quota", type=float, default=None, help="hard limit in requests/s")
+    args = parser.parse_args(argv)
+    try:
+        asyncio.run(_serve(args))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""[3] The worker loop: take an ID, wait for the governor, make one attempt, decide what follows.
+
+A worker never sleeps through a backoff: an ID that must wait for its next try is *parked* in a
+delay heap (``Parking``) whose feeder puts it back on the queue when it is due, and the worker
+takes the next ID at once. What an attempt leads to (``Worker.handle``)::
+
+    OK     -> settle "ok"
+    FATAL  -> set the job's halt (no new request starts anywhere), the ID stays unsettled
+    SKIP   -> settle "failed" (permanent) in pass 1, "unavailable" in pass 2
+    RETRY  -> park for retry_delay(...) while tries < max_tries, else settle like SKIP (not permanent)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .config import Config
+from .fetch import Attempt, Fetcher, Outcome
+from .governor import Budget, Governor
+from .retry import retry_delay
+
+
+@dataclass(slots=True)
+class Item:
+    """One ID travelling through a pass."""
+
+    id: str
+    tries: int = 0
+    paid: int = 0
+
+
+class Parking:
+    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue."""
+
+    def __init__(self, queue: asyncio.Queue[Item]) -> None:
+        self._queue = queue
+        self._heap: list[tuple[float, int, Item]] = []
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __repr__(self) -> str:
+        nxt = self._heap[0][0] - self._loop.time() if self._heap else None
+        return f"<Parking parked={len(self._heap)} next_due_in={nxt}>"
+
+    def park(self, item: Item, delay: float) -> None:
+        heapq.heappush(self._heap, (self._loop.time() + delay, next(self._seq), item))
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            if not self._heap:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            due = self._heap[0][0] - self._loop.time()
+            if due > 0:
+                self._wake.clear()
+                try:  # wake early if an earlier ID gets parked
+                    await asyncio.wait_for(self._wake.wait(), due)
+                except TimeoutError:
+                    pass
+                continue
+            _, _, item = heapq.heappop(self._heap)
+            await self._queue.put(item)
+
+
+class Settle(Protocol):
+    def __call__(self, item: Item, kind: str, attempt: Attempt, *, permanent: bool) -> None: ...
+
+
+class Worker:
+    """Shared state of the worker tasks of one pass; ``run`` is one worker's loop."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        queue: asyncio.Queue[Item],
+        parking: Parking,
+        governor: Governor,
+        budget: Budget,
+        fetcher: Fetcher,
+        halted: asyncio.Event,
+        settle: Settle,
+        halt: Callable[[str, Attempt | None], None],
+        pass_no: int,
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.parking = parking
+        self.governor = governor
+        self.budget = budget
+        self.fetcher = fetcher
+        self.halted = halted
+        self.settle = settle
+        self.halt = halt
+        self.pass_no = pass_no
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.requests = 0
+        self.retries = 0
+
+    def __repr__(self) -> str:
+        return (f"<Worker pass={self.pass_no} queued={self.queue.qsize()} "
+                f"parked={len(self.parking)} in_flight={self.in_flight}>")
+
+    async def run(self) -> None:
+        while not self.halted.is_set():
+            item = await self.queue.get()
+            await self.governor.acquire()
+            if not await self.budget.reserve():
+                self.halt("budget", None)
+                return
+            if self.halted.is_set():  # no await between this check and the send
+                self.budget.release(False)
+                return
+            self.in_flight += 1
+            self.idle.clear()
+            self.requests += 1
+            try:
+                attempt = await self.fetcher.attempt(item.id)
+            finally:
+                self.in_flight -= 1
+                if self.in_flight == 0:
+                    self.idle.set()
+            self.budget.release(attempt.billable)
+            item.tries += 1
+            item.paid += attempt.billable
+            self.handle(item, attempt)
+            if self.budget.exhausted:
+                self.halt("budget", None)
+
+    def handle(self, item: Item, attempt: Attempt) -> None:
+        outcome = attempt.outcome
+        final = "unavailable" if self.pass_no > 1 else "failed"
+        if outcome is Outcome.OK:
+            self.settle(item, "ok", attempt, permanent=False)
+        elif outcome is Outcome.FATAL:
+            self.halt("fatal", attempt)
+        elif outcome is Outcome.SKIP:
+            self.settle(item, final, attempt, permanent=True)
+        elif item.tries < self.config.max_tries:
+            cfg = self.config
+            if attempt.retry_after is not None:
+                self.governor.pause(min(attempt.retry_after, cfg.retry_after_max))
+            self.retries += 1
+            self.parking.park(item, retry_delay(
+                item.tries, attempt.retry_after, base=cfg.backoff_base, cap=cfg.backoff_max,
+                retry_after_max=cfg.retry_after_max, jitter=cfg.jitter))
+        else:
+            self.settle(item, final, attempt, permanent=False)
