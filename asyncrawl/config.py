@@ -28,7 +28,8 @@ DEFAULT_FATAL = frozenset({401, 402})
 MAX_ID_LENGTH = 1024
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
-_SECRET_PARAM = re.compile(r"^(key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(nature)?)$", re.I)
+_SECRET_PARAM = re.compile(
+    r"^(key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(nature)?)$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 

@@ -20,7 +20,7 @@ from aiolimiter import AsyncLimiter
 class Governor:
     """Token bucket plus job-wide pause."""
 
-    __slots__ = ("_loop", "limiter", "paused_until", "rate", "burst")
+    __slots__ = ("_loop", "burst", "limiter", "paused_until", "rate")
 
     def __init__(self, *, rate: float, burst: int) -> None:
         self.rate = rate

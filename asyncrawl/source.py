@@ -93,10 +93,11 @@ def prescan_file(path: str) -> int:
 async def file_ids(path: str) -> AsyncIterator[str]:
     """Stream the IDs of a file (already checked by ``prescan_file``) without blocking the loop."""
     try:
-        f = await aiofiles.open(path, "rb")
+        opened = aiofiles.open(path, "rb")
+        f = await opened.__aenter__()
     except OSError as e:
         raise InputError(f"cannot read IDs file: {e.strerror}", path=path) from None
-    async with f:
+    try:
         rest = b""
         line = 0
         while True:
@@ -114,6 +115,8 @@ async def file_ids(path: str) -> AsyncIterator[str]:
             item = parse_line(rest, path=path, line=line + 1)
             if item is not None:
                 yield item
+    finally:
+        await opened.__aexit__(None, None, None)
 
 
 async def iter_ids(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 import orjson
 from aiohttp import web
@@ -253,8 +254,6 @@ class MockAPI:
 
     def url_for(self, item_id: str) -> str:
         """The URL of one item, the ID percent-encoded as a single path segment."""
-        from urllib.parse import quote
-
         return self.item_url.replace("{id}", quote(item_id, safe=""))
 
     @property
@@ -406,9 +405,12 @@ async def _serve(args: argparse.Namespace) -> None:
         log_path=args.log,
         quota=args.quota,
     )
-    async with api:
+    await api.start(args.host, args.port)
+    try:
         print(f"listening on {api.url}", flush=True)
         await stop.wait()
+    finally:
+        await api.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ takes the next ID at once. What an attempt leads to (``Worker.handle``)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 from collections.abc import Callable
@@ -64,10 +65,8 @@ class Parking:
             due = self._heap[0][0] - self._loop.time()
             if due > 0:
                 self._wake.clear()
-                try:  # wake early if an earlier ID gets parked
+                with contextlib.suppress(TimeoutError):  # wake early if an earlier ID gets parked
                     await asyncio.wait_for(self._wake.wait(), due)
-                except TimeoutError:
-                    pass
                 continue
             _, _, item = heapq.heappop(self._heap)
             await self._queue.put(item)

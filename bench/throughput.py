@@ -304,9 +304,7 @@ def children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def run_worker(
-    kind: str, rnd: int, server: Nginx, args: argparse.Namespace, state_root: Path
-) -> Run:
+def run_worker(kind: str, rnd: int, server: Nginx, args: argparse.Namespace, state_root: Path) -> Run:
     state_dir = Path(tempfile.mkdtemp(prefix=f"{kind}-r{rnd}-", dir=state_root))
     cmd = [
         sys.executable, str(Path(__file__).resolve()),
@@ -323,9 +321,7 @@ def run_worker(
     shutil.rmtree(state_dir, ignore_errors=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-        )
+        raise RuntimeError(f"{kind} worker failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     res = json.loads(lines[-1])
     elapsed, cpu = float(res["elapsed_s"]), float(res["cpu_s"])
     return Run(
@@ -437,16 +433,12 @@ def driver_main(args: argparse.Namespace) -> int:
         kind: statistics.median(r.cpu_us_per_req for r in runs if r.kind == kind) for kind in kinds
     }
     ratio = (
-        medians["asyncrawl"] / medians["baseline"]
-        if {"asyncrawl", "baseline"} <= medians.keys()
-        else None
+        medians["asyncrawl"] / medians["baseline"] if {"asyncrawl", "baseline"} <= medians.keys() else None
     )
     nginx_max = max(r.nginx_cpu_share for r in runs)
     warnings = []
     if nginx_max > NGINX_BUSY_WARN:
-        warnings.append(
-            f"nginx worker reached {nginx_max:.0%} CPU: the server may be the bottleneck"
-        )
+        warnings.append(f"nginx worker reached {nginx_max:.0%} CPU: the server may be the bottleneck")
     if skipped:
         warnings.append(skipped)
 

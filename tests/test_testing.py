@@ -7,6 +7,7 @@ import collections
 import email.utils
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -236,12 +237,16 @@ def test_fault_validation() -> None:
 
 @pytest.mark.parametrize(("sig", "args", "headers"), [
     (signal.SIGTERM, ["--no-auth"], {}),
-    (signal.SIGINT, ["--api-key", "s3cret"], {"Authorization": "Bearer s3cret"}),
+    (signal.SIGINT, ["--api-key", "s3cret", "--port", "PORT"], {"Authorization": "Bearer s3cret"}),
 ])
 async def test_process_entry_point(
     tmp_path: Path, sig: signal.Signals, args: list[str], headers: dict[str, str],
 ) -> None:
     log = tmp_path / "proc.jsonl"
+    with socket.socket() as sock:  # a free port, for the --port case
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [str(port) if a == "PORT" else a for a in args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "asyncrawl.testing", *args, "--faults", "none",
@@ -253,6 +258,8 @@ async def test_process_entry_point(
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         assert line.startswith("listening on http://127.0.0.1:") and line.endswith("\n")
         url = line.split()[-1]
+        if "--port" in args:
+            assert url == f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession(headers=headers) as s:
             async with s.get(url + "/items/a%2Fb") as r:
                 assert (r.status, await r.json()) == (200, payload_for("a/b"))

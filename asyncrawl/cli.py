@@ -1,0 +1,352 @@
+"""The command line: argument parsing, signals, logging, progress display and exit codes.
+
+``main`` owns the event loop and installs the signal handlers; everything it runs is the same
+library API an application would use (``Config``, ``Crawler``), which never does either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import Config
+from .crawler import Crawler, Progress, Summary
+from .errors import AsyncrawlError, ConfigError
+from .journal import load_state
+from .progress import LiveLine, PeriodicLines, line, summary_text
+from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
+from .source import file_ids, prescan_file
+
+log = logging.getLogger("asyncrawl")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asyncrawl",
+        description="Fetch every item of a huge ID list from a rate-limited, paid HTTP API: "
+                    "once, fast, resumable.")
+    p.add_argument("--version", action="version", version=f"asyncrawl {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-c", "--config", help="config file (default: ./config.toml if present)")
+        sp.add_argument("--state", metavar="DIR", help="state directory ([state] dir)")
+
+    run = sub.add_parser("run", help="fetch every unsettled ID (resumes where it stopped)")
+    common(run)
+    run.add_argument("--ids", metavar="PATH|-", help="IDs file, one per line; - for stdin")
+    run.add_argument("--url", metavar="TEMPLATE", help="URL template with {id}")
+    run.add_argument("--concurrency", type=int, metavar="N")
+    run.add_argument("--rate", type=float, metavar="R", help="requests per second")
+    run.add_argument("--burst", type=int, metavar="B")
+    run.add_argument("--max-tries", type=int, metavar="N")
+    run.add_argument("--timeout", type=float, metavar="S")
+    run.add_argument("-H", "--header", action="append", default=[], metavar="'Name: value'")
+    run.add_argument("--no-second-pass", action="store_true")
+    run.add_argument("--cooldown", type=float, metavar="S")
+    run.add_argument("--max-requests", type=int, metavar="N", help="stop after N billable calls")
+    run.add_argument("--dry-run", action="store_true",
+                     help="count the calls left and their cost; send nothing")
+    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--log-format", choices=("text", "json"), default="text")
+    run.add_argument("--log-file", metavar="FILE")
+
+    st = sub.add_parser("status", help="what the state directory holds")
+    common(st)
+    st.add_argument("--json", action="store_true", help="one JSON object")
+
+    ex = sub.add_parser("export", help="write results (streams; constant memory)")
+    common(ex)
+    ex.add_argument("--outcome", choices=EXPORT_OUTCOMES, default="ok")
+    ex.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
+    ex.add_argument("--fields", metavar="a,b,...", help="CSV columns")
+    ex.add_argument("-o", "--output", metavar="FILE", help="write atomically to FILE")
+
+    demo = sub.add_parser("demo", help="a complete crawl against a local fault-injecting mock API")
+    demo.add_argument("--ids", type=int, default=5000, metavar="N", help="how many IDs (5000)")
+    demo.add_argument("--rate", type=float, default=2500.0)
+    demo.add_argument("--concurrency", type=int, default=32)
+    demo.add_argument("--state", metavar="DIR", help="state directory (default: a new temp dir)")
+    demo.add_argument("--no-progress", action="store_true")
+    return p
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def _headers(raw: list[str], secrets: set[str]) -> dict[str, str]:
+    def sub(m: re.Match[str]) -> str:
+        var = m.group(1)
+        if var not in os.environ:
+            raise ConfigError(f"environment variable ${{{var}}} used in -H is not set")
+        secrets.add(os.environ[var])
+        return os.environ[var]
+
+    out = {}
+    for h in raw:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise ConfigError(f"-H expects 'Name: value', got {h.split(':')[0]!r}...")
+        out[name.strip()] = _ENV_REF.sub(sub, value.strip())
+    return out
+
+
+def load_config(args: argparse.Namespace, **overrides: Any) -> Config:
+    """The config file (``-c`` or ./config.toml) with command-line flags on top."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if getattr(args, "state", None):
+        overrides["state_dir"] = args.state
+    path = args.config or ("config.toml" if Path("config.toml").is_file() else None)
+    if path is None:
+        if "url" not in overrides:
+            if overrides.keys() <= {"state_dir"}:
+                # status/export need only the state directory
+                return Config(url="http://unused/{id}", state_dir=overrides.get("state_dir", "state"))
+            raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
+        return Config(**overrides)
+    return Config.load(path, **overrides)
+
+
+def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    secrets: set[str] = set()
+    headers = _headers(args.header, secrets)
+    return {
+        "ids": args.ids, "url": args.url, "concurrency": args.concurrency, "rate": args.rate,
+        "burst": args.burst, "max_tries": args.max_tries, "timeout": args.timeout,
+        "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
+        "max_requests": args.max_requests, "_headers": headers, "_secrets": secrets,
+    }
+
+
+def _config_for_run(args: argparse.Namespace) -> Config:
+    o = _run_overrides(args)
+    headers, secrets = o.pop("_headers"), o.pop("_secrets")
+    cfg = load_config(args, **o)
+    if headers or secrets:
+        cfg = cfg.with_overrides(headers={**cfg.headers, **headers},
+                                 secrets=cfg.secrets | frozenset(secrets))
+    return cfg
+
+
+# -- logging -----------------------------------------------------------------------------------
+
+
+class _Redact(logging.Filter):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = self.config.redact(record.getMessage())
+        record.args = None
+        return True
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        obj: dict[str, Any] = {
+            "ts": round(record.created, 3), "level": record.levelname.lower(),
+            "msg": record.getMessage(),
+        }
+        obj.update(getattr(record, "fields", {}))
+        return json.dumps(obj, ensure_ascii=False)
+
+
+def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
+    handler: logging.Handler = (logging.FileHandler(log_file, encoding="utf-8") if log_file
+                                else logging.StreamHandler(sys.stderr))
+    handler.setFormatter(_JsonFormatter() if fmt == "json"
+                         else logging.Formatter("asyncrawl: %(levelname)s: %(message)s"))
+    handler.addFilter(_Redact(config))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return handler
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+async def _run(config: Config, *, ids_path: str, progress: bool, total: int | None) -> Summary:
+    display: LiveLine | PeriodicLines | None = None
+    every = config.progress_interval
+    if progress and sys.stderr.isatty():
+        display, every = LiveLine(sys.stderr), 0.25
+    elif progress:
+        display = PeriodicLines(sys.stderr)
+
+    def show(p: Progress) -> None:
+        if isinstance(display, LiveLine):
+            display(p)
+        elif display is not None:
+            log.info("%s", line(p), extra={"fields": {"progress": _progress_fields(p)}})
+
+    crawler = Crawler(config, on_progress=show if display else None, progress_every=every,
+                      total=total)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, crawler.stop, "signal", sig)
+    try:
+        async with crawler:
+            summary = await crawler.run(file_ids(ids_path))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if display is not None:
+            display.close()
+    return summary
+
+
+def _progress_fields(p: Progress) -> dict[str, Any]:
+    return {"pass": p.pass_no, "done": p.done, "total": p.total, "ok": p.ok, "failed": p.failed,
+            "unavailable": p.unavailable, "retries": p.retries, "rate": round(p.rate, 1)}
+
+
+def _spool_stdin() -> str:
+    fd, path = tempfile.mkstemp(prefix="asyncrawl-ids-")
+    with os.fdopen(fd, "wb") as f:
+        while chunk := sys.stdin.buffer.read(1 << 20):
+            f.write(chunk)
+    return path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    config = _config_for_run(args)
+    handler = setup_logging(config, args.log_format, args.log_file)
+    try:
+        if not config.ids:
+            raise ConfigError("no IDs: pass --ids PATH (or - for stdin) or set [source] ids")
+        spooled = None
+        ids_path = config.ids
+        if ids_path == "-":
+            ids_path = spooled = _spool_stdin()
+        try:
+            total = prescan_file(ids_path)
+            if spooled:
+                config = config.with_overrides(ids=None)
+            if args.dry_run:
+                return _dry_run(config, ids_path)
+            summary = asyncio.run(_run(config, ids_path=ids_path, total=total,
+                                       progress=not args.no_progress))
+        finally:
+            if spooled:
+                os.unlink(spooled)
+        print(summary_text(summary))
+        if summary.halt is not None:
+            log.warning("stopped: %s: %s", summary.halt.reason, summary.halt.message)
+        return summary.exit_code
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+def _dry_run(config: Config, ids_path: str) -> int:
+    state = load_state(Path(config.state_dir))
+
+    async def count() -> tuple[int, int, int]:
+        seen: set[str] = set()
+        left = done = 0
+        async for item in file_ids(ids_path):
+            if item in seen:
+                continue
+            seen.add(item)
+            if state.is_settled(item):
+                done += 1
+            else:
+                left += 1
+        return len(seen), done, left
+
+    unique, done, left = asyncio.run(count())
+    print(f"IDs: {unique:,} unique; already done: {done:,}; calls left: {left:,} "
+          f"(at least one each; retries may add more)")
+    if config.price_per_call is not None:
+        print(f"cost of the calls left: {left * config.price_per_call:,.4f} {config.currency} "
+              f"at {config.price_per_call:g} per call")
+    else:
+        print("set [billing] price_per_call to see the cost")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    s = status(config)
+    print(json.dumps(s) if args.json else status_text(s))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+    export(config, outcome=args.outcome, fmt=args.format, fields=fields,
+           out=sys.stdout, path=args.output)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .testing import MockAPI, demo_faults
+
+    state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
+    ids_file = Path(state) / "demo-ids.txt"
+    Path(state).mkdir(parents=True, exist_ok=True)
+    with ids_file.open("w") as f:
+        for i in range(args.ids):
+            f.write(f"note-{i:06d}\n")
+        for i in range(0, args.ids, 50):  # some duplicates: fetched once
+            f.write(f"note-{i:06d}\n")
+    api_key = "demo-key"
+    print(f"asyncrawl demo: {args.ids:,} IDs against a local mock API with injected faults "
+          "(404, 400, 5xx, 429 + Retry-After, slow and dropped connections, bad JSON)")
+
+    async def main() -> Summary:
+        async with MockAPI(faults=demo_faults, api_key=api_key) as api:
+            config = Config(url=api.item_url, ids=str(ids_file), state_dir=state,
+                            headers={"X-Api-Key": api_key}, rate=args.rate,
+                            burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,
+                            max_tries=4, backoff_base=0.2, backoff_max=2.0, cooldown=2.0,
+                            timeout=5.0, retry_after_max=2.0, progress_interval=2.0)
+            total = prescan_file(str(ids_file))
+            summary = await _run(config, ids_path=str(ids_file), total=total,
+                                 progress=not args.no_progress)
+            paid = len(api.paid())
+        print(summary_text(summary))
+        print(f"  mock API   {len(api.log) // 2:,} requests seen, {paid:,} paid answers "
+              f"(= ok fetched: {'yes' if paid == summary.fetched else 'NO'})")
+        print(f"\ntry: asyncrawl status --state {state}\n     "
+              f"asyncrawl export --state {state} --outcome unavailable")
+        return summary
+
+    t0 = time.monotonic()
+    summary = asyncio.run(main())
+    print(f"demo took {time.monotonic() - t0:.1f}s")
+    return summary.exit_code
+
+
+COMMANDS = {"run": cmd_run, "status": cmd_status, "export": cmd_export, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except AsyncrawlError as e:
+        print(f"asyncrawl: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before the loop's own handler was installed
+        return 130
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            sys.stdout.close()
+        return 0

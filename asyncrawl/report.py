@@ -1,0 +1,155 @@
+"""Reading a state directory without locking it: ``status`` figures and ``export`` streams.
+
+Both read the journal through ``journal.scan`` (a torn tail of a running or crashed job is simply
+not read). ``export`` streams: memory holds each ID's latest state, never the payloads, except
+for failed/unavailable exports, which keep one small record per failed ID.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+
+from .config import Config
+from .errors import ConfigError, StorageError
+from .journal import JOURNAL, OUTCOME_KINDS, State, load_state, scan
+
+EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
+EXPORT_FORMATS = ("jsonl", "csv", "ids")
+
+
+def status(config: Config) -> dict[str, Any]:
+    """The figures ``asyncrawl status`` prints (the ``--json`` object)."""
+    d = Path(config.state_dir)
+    if not (d / JOURNAL).exists():
+        raise StorageError("no journal here yet (nothing has run with this state directory)",
+                           path=d)
+    st = load_state(d)
+    counts = st.counts()
+    billable = sum(st.billable_by_day.values())
+    halt = None
+    if st.halt is not None:
+        halt = {"status": st.halt.get("s"), "message": config.redact(st.halt.get("e") or ""),
+                "reason": st.halt.get("reason")}
+    out: dict[str, Any] = {
+        **counts,
+        "halt": halt,
+        "billable": billable,
+        "billable_by_date": dict(sorted(st.billable_by_day.items())),
+        "runs": st.runs,
+        "state_dir": str(d),
+    }
+    if config.price_per_call is not None:
+        out["cost"] = round(billable * config.price_per_call, 6)
+        out["currency"] = config.currency
+    return out
+
+
+def status_text(s: dict[str, Any]) -> str:
+    lines = [
+        f"state        {s['state_dir']}",
+        f"ok           {s['ok']:,}",
+        f"failed       {s['failed']:,}  (retried by the next run)",
+        f"unavailable  {s['unavailable']:,}  (confirmed after two passes)",
+        f"billable     {s['billable']:,} calls"
+        + (f" = {s['cost']:,.4f} {s['currency']}" if "cost" in s else ""),
+    ]
+    for day, n in s["billable_by_date"].items():
+        lines.append(f"  {day} UTC  {n:,}")
+    if s["halt"]:
+        h = s["halt"]
+        code = f" (HTTP {h['status']})" if h["status"] else ""
+        lines.append(f"last run     halted: {h['reason']}{code}: {h['message']}")
+    return "\n".join(lines)
+
+
+def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
+    path = state_dir / JOURNAL
+    if not path.exists():
+        raise StorageError("no journal here yet", path=state_dir)
+    st: State = load_state(state_dir)
+    final = st.outcome
+    if outcome == "ok":
+        for _, rec in scan(path):
+            if rec["k"] == "ok" and final.get(rec["id"]) == "ok":
+                final[rec["id"]] = "exported"  # never two ok lines for one ID
+                yield rec
+        return
+    if outcome == "in-doubt":
+        return
+    want = {"failed": ("failed", "perm"), "unavailable": ("unavailable",)}[outcome]
+    latest: dict[str, dict[str, Any]] = {}
+    for _, rec in scan(path):
+        if rec["k"] in OUTCOME_KINDS and final.get(rec["id"]) in want:
+            latest[rec["id"]] = rec
+    yield from latest.values()
+
+
+def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
+           fields: list[str] | None = None, out: TextIO | None = None,
+           path: str | None = None) -> int:
+    """Write the records of ``outcome`` to ``out`` or (atomically) to ``path``; return the count."""
+    if outcome not in EXPORT_OUTCOMES:
+        raise ConfigError(f"--outcome must be one of {', '.join(EXPORT_OUTCOMES)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+    records = _records(Path(config.state_dir), outcome)
+    if path is None:
+        assert out is not None
+        return _write(records, outcome, fmt, fields, out)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            n = _write(records, outcome, fmt, fields, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return n
+
+
+def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
+           fields: list[str] | None, out: TextIO) -> int:
+    n = 0
+    writer = None
+    for rec in records:
+        n += 1
+        if fmt == "ids":
+            out.write(rec["id"] + "\n")
+        elif fmt == "jsonl":
+            if outcome == "ok":
+                obj = {"id": rec["id"], "data": rec.get("data")}
+            else:
+                obj = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
+            out.write(orjson.dumps(obj).decode() + "\n")
+        else:
+            if outcome == "ok":
+                data = rec.get("data")
+                row = {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
+            else:
+                row = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
+            if writer is None:
+                cols = fields or list(row)
+                writer = csv.writer(out)
+                writer.writerow(cols)
+            writer.writerow([_cell(row.get(c)) for c in cols])
+    return n
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, dict | list):
+        return orjson.dumps(v).decode()
+    return str(v)
+
+
