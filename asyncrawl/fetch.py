@@ -15,6 +15,7 @@ falls in exactly one ``Outcome`` class (SPEC §2)::
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +77,14 @@ class Attempt:
 Classifier = Callable[[Response], "Outcome | str | None"]
 
 
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9_.~-]*").fullmatch
+
+
 def encode_id(item_id: str) -> str:
     """Percent-encode an ID as exactly one path segment or query value: no character survives
     that could change the host, path or query. ``.`` and ``..`` (dot-segments) are encoded too."""
+    if _PLAIN_ID(item_id):  # the common case: nothing to encode
+        return item_id
     enc = quote(item_id, safe="")
     if enc in (".", ".."):
         enc = enc.replace(".", "%2E")
@@ -201,8 +207,12 @@ class Fetcher:
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes | None:
         """The body, or ``None`` when it is larger than ``max_body_bytes`` (after decoding)."""
         limit = self.config.max_body_bytes
-        if resp.content_length is not None and resp.content_length > limit:
-            return None
+        length = resp.content_length
+        if length is not None:
+            if length > limit:
+                return None
+            if "Content-Encoding" not in resp.headers:  # no decompression: cannot grow
+                return await resp.read()
         chunks: list[bytes] = []
         size = 0
         async for chunk in resp.content.iter_any():
@@ -215,7 +225,7 @@ class Fetcher:
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
                   body: bytes | None) -> Attempt:
         cfg = self.config
-        retry_after = parse_retry_after(headers.get("Retry-After"))
+        retry_after = None if status < 300 else parse_retry_after(headers.get("Retry-After"))
         if body is None:
             return Attempt(Outcome.SKIP, status, error=f"body larger than {cfg.max_body_bytes} bytes",
                            billable=200 <= status < 300)

@@ -1,0 +1,131 @@
+"""Shared fixtures: a fast config against the in-process mock API, and CLI/subprocess helpers.
+
+Everything talks to real servers over loopback; nothing mocks aiohttp.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrawl import Config
+from asyncrawl.testing import MockAPI
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "test-key-5f2b"
+
+
+def fast_config(api: MockAPI, state: Path, **kw: Any) -> Config:
+    """A config that retries quickly, for tests."""
+    defaults: dict[str, Any] = dict(
+        url=api.item_url, state_dir=str(state), headers={"X-Api-Key": KEY}, rate=2000.0,
+        concurrency=8, max_tries=3, backoff_base=0.01, backoff_max=0.05, cooldown=0.0,
+        retry_after_max=2.0, timeout=5.0, grace=2.0)
+    defaults.update(kw)
+    return Config(**defaults)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[MockAPI]:
+    async with MockAPI(api_key=KEY) as a:
+        yield a
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+        timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m asyncrawl ARGS`` to completion."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "asyncrawl", *args], capture_output=True,
+                          text=True, env=full_env, cwd=cwd, timeout=timeout, input=stdin)
+
+
+class MockProcess:
+    """The mock API in a separate process (``python -m asyncrawl.testing``)."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log_path = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrawl.testing", "--log", str(log), *args],
+            stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        assert line.startswith("listening on "), line
+        self.url = line.removeprefix("listening on ")
+        self.item_url = self.url + "/items/{id}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def mock_process(tmp_path: Path) -> Iterator[Any]:
+    """Factory: ``mock_process(*args)`` starts a mock API process; all are stopped at the end."""
+    procs: list[MockProcess] = []
+
+    def start(*args: str) -> MockProcess:
+        p = MockProcess(tmp_path / f"mock-{len(procs)}.log", *args)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def write_ids(path: Path, ids: list[str]) -> Path:
+    path.write_text("".join(f"{i}\n" for i in ids), encoding="utf-8")
+    return path
+
+
+def write_config(path: Path, url: str, state: Path, ids: Path, **sections: dict[str, Any]) -> Path:
+    """A config.toml for CLI tests; ``sections`` add or override keys per section."""
+    body: dict[str, dict[str, Any]] = {
+        "source": {"ids": str(ids)},
+        "request": {"url": url, "timeout": 5},
+        "request.headers": {"X-Api-Key": "${ASYNCRAWL_TEST_KEY}"},
+        "limits": {"concurrency": 8, "rate": 2000},
+        "retry": {"max_tries": 3, "backoff_base": 0.01, "backoff_max": 0.05, "retry_after_max": 2},
+        "passes": {"cooldown": 0},
+        "state": {"dir": str(state)},
+        "run": {"grace": 2, "progress_interval": 0.5},
+    }
+    for name, values in sections.items():
+        body.setdefault(name.replace("__", "."), {}).update(values)
+    lines = []
+    for section, values in body.items():
+        lines.append(f"[{section}]")
+        for k, v in values.items():
+            lines.append(f"{k} = {_toml(v)}")
+        lines.append("")
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)

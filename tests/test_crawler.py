@@ -1,0 +1,215 @@
+"""The library end to end against the mock API over loopback: outcome classes, passes, dedup,
+resume, halts, hooks, an injected session and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from asyncrawl import Config, Crawler, Outcome, Response, Result
+from asyncrawl.report import export
+from asyncrawl.testing import Fault, MockAPI, payload_for
+
+from .conftest import KEY, fast_config
+
+
+def exported(config: Config, outcome: str = "ok") -> list[dict]:
+    buf = io.StringIO()
+    export(config, outcome=outcome, fmt="jsonl", out=buf)
+    return [json.loads(line) for line in buf.getvalue().splitlines()]
+
+
+FAULTS = {
+    "nf": Fault("not_found"),
+    "bad": Fault("bad_request"),
+    "gone": Fault("gone"),
+    "flaky": Fault("flaky", times=2),
+    "ra-secs": Fault("rate_limited", retry_after=0.3),
+    "ra-date": Fault("rate_limited", retry_after=1, http_date=True),
+    "junk": Fault("invalid_json", times=1),
+    "drop": Fault("drop", times=2),
+}
+
+
+async def test_every_outcome_class_and_two_passes(state: Path) -> None:
+    ids = [f"ok{i}" for i in range(50)] + list(FAULTS)
+    async with MockAPI(api_key=KEY, faults=FAULTS) as api:
+        cfg = fast_config(api, state)
+        async with Crawler(cfg) as crawler:
+            summary = await crawler.run(ids)
+        starts = api.starts()
+
+    assert summary.halt is None
+    assert summary.exit_code == 0
+    ok_ids = {f"ok{i}" for i in range(50)} | {"flaky", "ra-secs", "ra-date", "junk", "drop"}
+    assert summary.ok == len(ok_ids)
+    assert summary.unavailable == 3  # nf, bad (skip class) and gone (500 every time)
+    assert summary.failed == 0
+    got = exported(cfg)
+    assert {r["id"] for r in got} == ok_ids
+    assert all(r["data"] == payload_for(r["id"]) for r in got)
+    unavailable = {r["id"]: r for r in exported(cfg, "unavailable")}
+    assert set(unavailable) == {"nf", "bad", "gone"}
+    assert unavailable["nf"]["status"] == 404 and unavailable["gone"]["status"] == 500
+    # skip class: one try in pass 1, one recheck in pass 2; retryable: max_tries in each pass
+    assert starts.count("nf") == 2 and starts.count("bad") == 2
+    assert starts.count("gone") == 2 * cfg.max_tries
+    assert starts.count("flaky") == 3
+    assert starts.count("ok0") == 1
+
+
+async def test_retry_after_is_honoured_in_both_forms(state: Path) -> None:
+    faults = {"secs": Fault("rate_limited", retry_after=0.6),
+              "date": Fault("rate_limited", retry_after=2, http_date=True)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, retry_after_max=5.0)
+        async with Crawler(cfg) as crawler:
+            summary = await crawler.run(["secs", "date"])
+        times = {i: [e.t for e in api.log if e.id == i and e.event == "start"] for i in faults}
+    assert summary.ok == 2
+    assert times["secs"][1] - times["secs"][0] >= 0.55
+    # an HTTP-date has one-second resolution: 2 s ahead means more than 1 s of waiting
+    assert times["date"][1] - times["date"][0] >= 1.0
+
+
+async def test_retry_after_pauses_the_whole_job(state: Path) -> None:
+    async with MockAPI(api_key=KEY, faults={"a": Fault("rate_limited", retry_after=1)}) as api:
+        cfg = fast_config(api, state, concurrency=2, rate=50.0, burst=1)
+        async with Crawler(cfg) as crawler:
+            await crawler.run(["a"] + [f"x{i}" for i in range(40)])
+        t429 = next(e.t for e in api.log if e.event == "end" and e.status == 429)
+        during = [e for e in api.log if e.event == "start" and t429 + 0.05 < e.t < t429 + 0.9]
+    assert during == []  # nobody started a request while the server's Retry-After ran
+
+
+async def test_duplicates_are_fetched_once_and_a_rerun_fetches_nothing(api: MockAPI, state: Path) -> None:
+    ids = ["a", "b", "a", "c", "b", "a"]
+    cfg = fast_config(api, state)
+    async with Crawler(cfg) as crawler:
+        s1 = await crawler.run(ids)
+        s2 = await crawler.run(iter(ids))
+    assert sorted(api.starts()) == ["a", "b", "c"]
+    assert (s1.ok, s1.duplicates, s1.fetched) == (3, 3, 3)
+    assert (s2.ok, s2.skipped, s2.requests, s2.fetched) == (3, 3, 0, 0)
+
+
+async def test_no_second_pass_leaves_failed_and_a_rerun_retries_them(state: Path) -> None:
+    faults = {"flaky": Fault("flaky", times=3), "nf": Fault("not_found")}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, second_pass=False, max_tries=2)
+        async with Crawler(cfg) as crawler:
+            s1 = await crawler.run(["ok", "flaky", "nf"])
+            assert (s1.ok, s1.failed, s1.exit_code) == (1, 2, 6)
+            s2 = await crawler.run(["ok", "flaky", "nf"])
+        assert (s2.ok, s2.failed, s2.skipped) == (2, 1, 1)
+        assert api.starts().count("ok") == 1
+        assert {r["id"] for r in exported(cfg, "failed")} == {"nf"}
+
+
+async def test_recheck_permanent_off_sends_skip_class_once(state: Path) -> None:
+    async with MockAPI(api_key=KEY, faults={"nf": Fault("not_found")}) as api:
+        cfg = fast_config(api, state, recheck_permanent=False)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run(["nf", "x"])
+        assert api.starts().count("nf") == 1
+    assert (s.ok, s.unavailable) == (1, 1)
+    assert exported(cfg, "unavailable") == [{"id": "nf", "status": 404, "error": "HTTP 404"}]
+
+
+async def test_402_halts_at_once_and_keeps_paid_results(state: Path) -> None:
+    concurrency = 6
+    async with MockAPI(api_key=KEY, balance=40) as api:
+        cfg = fast_config(api, state, concurrency=concurrency)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run([f"id{i}" for i in range(300)])
+        log = list(api.log)
+        paid = api.paid()
+    assert s.halt is not None and s.halt.reason == "fatal" and s.halt.status == 402
+    assert s.exit_code == 3
+    first_402 = next(e.seq for e in log if e.event == "end" and e.status == 402)
+    late = [e for e in log if e.event == "start" and e.seq > first_402]
+    assert len(late) <= concurrency - 1  # only requests already in flight when the 402 was seen
+    assert {r["id"] for r in exported(cfg)} == set(paid)
+    assert s.ok == len(paid) == 40
+
+
+async def test_401_halts(state: Path) -> None:
+    async with MockAPI(api_key="other-key") as api:
+        cfg = fast_config(api, state)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run([f"id{i}" for i in range(100)])
+        assert len(api.starts()) <= cfg.concurrency
+    assert s.halt is not None and (s.halt.reason, s.halt.status, s.exit_code) == ("fatal", 401, 3)
+    assert s.ok == 0 and s.pending > 0 and s.requests <= cfg.concurrency
+
+
+async def test_error_in_body_is_classified_by_error_field(state: Path) -> None:
+    faults = {"broke": Fault("error_in_body", status=402)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, error_field="code", concurrency=1)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run(["a", "broke", "c"])
+    assert s.halt is not None and s.halt.status == 402
+    assert s.ok == 1
+
+
+async def test_classifier_hook_overrides_the_class(api: MockAPI, state: Path) -> None:
+    seen: list[Response] = []
+
+    def classify(r: Response) -> Outcome | None:
+        seen.append(r)
+        return Outcome.SKIP if r.data and r.data.get("id") == "veto" else None
+
+    cfg = fast_config(api, state, recheck_permanent=False)
+    async with Crawler(cfg, classify=classify) as crawler:
+        s = await crawler.run(["veto", "fine"])
+    assert (s.ok, s.unavailable) == (1, 1)
+    assert {r.id for r in seen} == {"veto", "fine"} and all(r.status == 200 for r in seen)
+
+
+async def test_on_result_sees_each_durable_result_once(state: Path) -> None:
+    results: list[Result] = []
+    async with MockAPI(api_key=KEY, faults={"nf": Fault("not_found")}) as api:
+        cfg = fast_config(api, state, second_pass=False)
+        async with Crawler(cfg, on_result=results.append) as crawler:
+            await crawler.run(["a", "b", "nf"])
+    by_id = {r.id: r for r in results}
+    assert len(results) == 3
+    assert by_id["a"].outcome == "ok" and by_id["a"].data == payload_for("a")
+    assert by_id["nf"].outcome == "failed" and by_id["nf"].permanent and by_id["nf"].status == 404
+
+
+async def test_injected_session_is_used_and_left_open(api: MockAPI, state: Path) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with Crawler(fast_config(api, state), session=session) as crawler:
+            s = await crawler.run(["a", "b"])
+        assert not session.closed
+        async with session.get(api.url + "/health") as resp:  # still usable
+            assert resp.status == 200
+    assert s.ok == 2
+
+
+async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
+    ids = [f"id{i}" for i in range(400)]
+    async with MockAPI(api_key=KEY, latency=0.01) as api:
+        cfg = fast_config(api, state, rate=400.0, concurrency=4)
+        crawler = Crawler(cfg)
+        task = asyncio.create_task(crawler.run(ids))
+        while crawler.ok < 20:
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        first = crawler.ok
+        paid_before = set(api.paid())
+        assert 20 <= first < len(ids)
+        s = await Crawler(cfg).run(ids)
+        assert s.ok == len(ids) and s.exit_code == 0
+        paid = api.paid()
+    assert len(paid) == len(set(paid)) == len(ids)  # nothing paid for twice
+    assert len(paid_before) >= first
