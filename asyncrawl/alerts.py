@@ -39,7 +39,8 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
                       session: aiohttp.ClientSession) -> None:
     facts = alert_facts(config, halt, summary)
     if config.on_halt:
-        env = dict(os.environ)
+        # the caller's environment minus variables holding a secret (e.g. the API key)
+        env = {k: v for k, v in os.environ.items() if v not in config.secrets}
         env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
         try:
             proc = await asyncio.create_subprocess_shell(

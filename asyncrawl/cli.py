@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -198,7 +199,7 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
                       total=total)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, crawler.stop, "signal", sig)
+        loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
     try:
         async with crawler:
             summary = await crawler.run(file_ids(ids_path))

@@ -24,7 +24,7 @@ import logging
 import os
 import signal as signal_mod
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,7 @@ class Crawler:
         self._writer: Writer | None = None
         self._started = time.monotonic()
         self._cooling = False
+        self._cut_off: set[str] = set()
         self._rate_samples: list[tuple[float, int]] = []
 
     def __repr__(self) -> str:
@@ -299,7 +300,10 @@ class Crawler:
             if self.halt is not None and self.halt.reason != "storage":
                 writer.put(Record("halt", status=self.halt.status, error=self.halt.message,
                                   extra={"reason": self.halt.reason}))
-            writer.put(Record("end", extra={"error": type(error).__name__} if error else None))
+            end: dict[str, Any] = {"in_doubt": sorted(self._cut_off)}
+            if error is not None:
+                end["error"] = type(error).__name__
+            writer.put(Record("end", extra=end))
             writer.close()
             await _finish(writer_task)
             ticker.cancel()
@@ -343,7 +347,7 @@ class Crawler:
         workers = self._workers = Worker(
             config=cfg, queue=queue, parking=parking, governor=self._governor,  # type: ignore[arg-type]
             budget=budget, fetcher=fetcher, halted=self.halted, settle=self._settle,
-            halt=self._on_halt, pass_no=pass_no)
+            halt=self._on_halt, intent=self._intent, pass_no=pass_no)
         self._outstanding = 0
         self._feeding = True
         producer = asyncio.create_task(self._produce(ids, queue), name=f"asyncrawl-producer-{pass_no}")
@@ -361,9 +365,14 @@ class Crawler:
             await self._shutdown(producer, feeder, tasks, workers)
             self.requests += workers.requests
             self.retries += workers.retries
+            self._cut_off |= workers.flying  # requests cancelled in flight: possibly billed
         for t in (producer, feeder, *tasks):
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+
+    def _intent(self, item: str) -> Awaitable[bool]:
+        assert self._writer is not None
+        return self._writer.commit(Record("sent", item))
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:

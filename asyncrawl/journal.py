@@ -6,9 +6,15 @@ Layout of a state directory::
     journal.jsonl   one JSON object per line; the first line is the format header
     lock            flock()ed by the run that owns the directory (holds its pid)
 
-Record kinds (``k``): ``run`` (a run started), ``ok`` / ``failed`` / ``unavailable`` (an ID's
-outcome, with its payload or error), ``halt`` (why a run stopped early), ``end`` (a run ended).
-The latest outcome record of an ID is its state, except that ``ok`` is final.
+Record kinds (``k``): ``run`` (a run started), ``sent`` (a request for the ID is about to be
+sent: durable *before* the request leaves), ``ok`` / ``failed`` / ``unavailable`` (an ID's
+outcome, with its payload or error), ``halt`` (why a run stopped early), ``end`` (a run ended,
+with the IDs whose request was cut off in flight). The latest outcome record of an ID is its
+state, except that ``ok`` is final.
+
+*In doubt* are the IDs whose request may have been billed without a result being recorded: in a
+run that crashed, every ``sent`` ID with no outcome record after it; in a run that ended, the
+IDs its ``end`` record lists. A later ``ok`` for such an ID makes it "possibly billed twice".
 
 Only ``Writer`` (one task) appends. It takes every record queued since its last write, writes
 them in one go and fsyncs once (group commit); only then are they *committed* and reported to the
@@ -128,11 +134,15 @@ def scan(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             offset += len(line)
 
 
-def good_length(path: Path) -> int:
-    """Bytes of the journal up to the end of its last complete record (the header included)."""
+def good_length(path: Path, last: int | None = None) -> int:
+    """Bytes of the journal up to the end of its last complete record (the header included).
+    ``last``: the offset of that record, if a ``scan`` already found it."""
     end = 0
-    for offset, _ in scan(path):
-        end = offset
+    if last is None:
+        for offset, _ in scan(path):
+            end = offset
+    else:
+        end = last
     if end == 0:
         if not path.exists() or path.stat().st_size == 0:
             return 0
@@ -146,26 +156,50 @@ def good_length(path: Path) -> int:
 
 @dataclass(slots=True)
 class State:
-    """What the journal says, replayed: each ID's latest outcome, and the last run's halt."""
+    """What the journal says, replayed: each ID's latest outcome, the last run's halt, and the
+    IDs in doubt (id -> whether it was re-fetched since: "possibly billed twice")."""
 
     outcome: dict[str, str] = field(default_factory=dict)  # id -> ok | failed | perm | unavailable
     halt: dict[str, Any] | None = None
     billable_by_day: Counter[str] = field(default_factory=Counter)
     runs: int = 0
+    in_doubt: dict[str, bool] = field(default_factory=dict)
+    in_flight: set[str] = field(default_factory=set)  # sent, no outcome yet, in the open run
+    run_open: bool = False
 
     def apply(self, rec: dict[str, Any]) -> None:
         kind = rec["k"]
-        if kind in OUTCOME_KINDS:
+        if kind == "sent":
+            self.in_flight.add(rec["id"])
+        elif kind in OUTCOME_KINDS:
             item = rec["id"]
+            self.in_flight.discard(item)
             if self.outcome.get(item) != "ok":
                 self.outcome[item] = "perm" if kind == "failed" and rec.get("perm") else kind
+            if kind == "ok" and item in self.in_doubt:
+                self.in_doubt[item] = True
             if rec.get("paid"):
                 self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
         elif kind == "run":
+            self.close_run(crashed=True)
             self.runs += 1
             self.halt = None
+            self.run_open = True
         elif kind == "halt":
             self.halt = rec
+        elif kind == "end":
+            for item in rec.get("in_doubt", ()):
+                self.in_doubt.setdefault(item, False)
+            self.in_flight.clear()
+            self.run_open = False
+
+    def close_run(self, *, crashed: bool) -> None:
+        """The open run is over (``crashed``: without its ``end`` record)."""
+        if self.run_open and crashed:
+            for item in self.in_flight:
+                self.in_doubt.setdefault(item, False)
+        self.in_flight.clear()
+        self.run_open = False
 
     def counts(self) -> dict[str, int]:
         c = Counter(self.outcome.values())
@@ -175,12 +209,35 @@ class State:
         return self.outcome.get(item) in ("ok", "unavailable")
 
 
-def load_state(state_dir: Path) -> State:
-    """Replay the journal read-only (a torn tail is ignored, not repaired)."""
+def load_state(state_dir: Path, *, running: bool = False) -> State:
+    """Replay the journal read-only (a torn tail is ignored, not repaired). Unless a run is
+    ``running`` now, an open last run is one that crashed: its in-flight IDs are in doubt."""
     st = State()
     for _, rec in scan(state_dir / JOURNAL):
         st.apply(rec)
+    if not running:
+        st.close_run(crashed=True)
     return st
+
+
+def lock_holder(state_dir: Path) -> int | None:
+    """The pid of the run holding the state directory's lock, or ``None`` if none does."""
+    try:
+        fd = os.open(state_dir / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                return int(os.pread(fd, 32, 0).decode().strip() or 0)
+            except (OSError, ValueError):
+                return 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -238,10 +295,13 @@ class Journal:
             os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
             path = d / JOURNAL
             state = State()
-            for _, rec in scan(path):
+            last = 0
+            for offset, rec in scan(path):
                 state.apply(rec)
+                last = offset
+            state.close_run(crashed=True)
             created = not path.exists()
-            keep = 0 if created else good_length(path)
+            keep = 0 if created else good_length(path, last)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
                 if not created and keep < os.fstat(fd).st_size:
@@ -308,7 +368,8 @@ class Writer:
         self.on_commit = on_commit
         self.on_error = on_error
         self.batch_limit = batch_limit
-        self._queue: asyncio.Queue[Record | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Record, asyncio.Future[bool] | None] | None] = (
+            asyncio.Queue())
         self.failed: StorageError | None = None
         self.commits = 0
         self.written = 0
@@ -319,7 +380,15 @@ class Writer:
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks; the writer batches what accumulates)."""
-        self._queue.put_nowait(record)
+        self._queue.put_nowait((record, None))
+
+    async def commit(self, record: Record) -> bool:
+        """Queue a record and wait until it is durable: ``True``, or ``False`` if it cannot be."""
+        if self.failed is not None:
+            return False
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((record, fut))
+        return await fut
 
     def close(self) -> None:
         """Ask the writer to commit what is queued and stop."""
@@ -331,24 +400,30 @@ class Writer:
         while not stop:
             first = await q.get()
             batch: list[Record] = []
-            if first is None:
-                stop = True
-            else:
-                batch.append(first)
-            while len(batch) < self.batch_limit and not q.empty():
-                rec = q.get_nowait()
-                if rec is None:
+            waiting: list[asyncio.Future[bool]] = []
+            entry = first
+            while True:
+                if entry is None:
                     stop = True
                 else:
-                    batch.append(rec)
-            if not batch or self.failed is not None:
-                continue
-            try:
-                await self.journal.append(b"".join(r.encode() for r in batch))
-            except StorageError as e:
-                self.failed = e
-                self.on_error(e)
-                continue
-            self.commits += 1
-            self.written += len(batch)
-            self.on_commit(batch)
+                    batch.append(entry[0])
+                    if entry[1] is not None:
+                        waiting.append(entry[1])
+                if len(batch) >= self.batch_limit or q.empty():
+                    break
+                entry = q.get_nowait()
+            durable = False
+            if batch and self.failed is None:
+                try:
+                    await self.journal.append(b"".join(r.encode() for r in batch))
+                    durable = True
+                except StorageError as e:
+                    self.failed = e
+                    self.on_error(e)
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(durable)
+            if durable:
+                self.commits += 1
+                self.written += len(batch)
+                self.on_commit(batch)

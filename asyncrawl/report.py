@@ -18,7 +18,7 @@ import orjson
 
 from .config import Config
 from .errors import ConfigError, StorageError
-from .journal import JOURNAL, OUTCOME_KINDS, State, load_state, scan
+from .journal import JOURNAL, OUTCOME_KINDS, State, load_state, lock_holder, scan
 
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
 EXPORT_FORMATS = ("jsonl", "csv", "ids")
@@ -30,7 +30,8 @@ def status(config: Config) -> dict[str, Any]:
     if not (d / JOURNAL).exists():
         raise StorageError("no journal here yet (nothing has run with this state directory)",
                            path=d)
-    st = load_state(d)
+    running = lock_holder(d)
+    st = load_state(d, running=running is not None)
     counts = st.counts()
     billable = sum(st.billable_by_day.values())
     halt = None
@@ -42,6 +43,10 @@ def status(config: Config) -> dict[str, Any]:
         "halt": halt,
         "billable": billable,
         "billable_by_date": dict(sorted(st.billable_by_day.items())),
+        "in_doubt": sum(1 for twice in st.in_doubt.values() if not twice),
+        "possibly_billed_twice": sum(st.in_doubt.values()),
+        "in_flight": len(st.in_flight) if running is not None else 0,
+        "running": running,
         "runs": st.runs,
         "state_dir": str(d),
     }
@@ -62,6 +67,12 @@ def status_text(s: dict[str, Any]) -> str:
     ]
     for day, n in s["billable_by_date"].items():
         lines.append(f"  {day} UTC  {n:,}")
+    if s["in_doubt"] or s["possibly_billed_twice"]:
+        lines.append(f"in doubt     {s['in_doubt']:,} sent when a run was cut off, no result kept "
+                     f"(possibly billed); {s['possibly_billed_twice']:,} of those re-fetched since "
+                     "(possibly billed twice): asyncrawl export --outcome in-doubt")
+    if s["running"] is not None:
+        lines.append(f"running      yes (pid {s['running']}), {s['in_flight']:,} requests in flight")
     if s["halt"]:
         h = s["halt"]
         code = f" (HTTP {h['status']})" if h["status"] else ""
@@ -73,7 +84,7 @@ def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
     path = state_dir / JOURNAL
     if not path.exists():
         raise StorageError("no journal here yet", path=state_dir)
-    st: State = load_state(state_dir)
+    st: State = load_state(state_dir, running=lock_holder(state_dir) is not None)
     final = st.outcome
     if outcome == "ok":
         for _, rec in scan(path):
@@ -82,6 +93,8 @@ def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
                 yield rec
         return
     if outcome == "in-doubt":
+        for item, twice in st.in_doubt.items():
+            yield {"id": item, "refetched": twice}
         return
     want = {"failed": ("failed", "perm"), "unavailable": ("unavailable",)}[outcome]
     latest: dict[str, dict[str, Any]] = {}
@@ -126,13 +139,17 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
         if fmt == "ids":
             out.write(rec["id"] + "\n")
         elif fmt == "jsonl":
-            if outcome == "ok":
+            if outcome == "in-doubt":
+                obj = rec
+            elif outcome == "ok":
                 obj = {"id": rec["id"], "data": rec.get("data")}
             else:
                 obj = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
             out.write(orjson.dumps(obj).decode() + "\n")
         else:
-            if outcome == "ok":
+            if outcome == "in-doubt":
+                row = rec
+            elif outcome == "ok":
                 data = rec.get("data")
                 row = {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
             else:

@@ -110,10 +110,11 @@ _DEMO_MIX: tuple[tuple[int, Fault], ...] = (
     (10, Fault("gone")),
     (25, Fault("flaky", times=1)),
     (25, Fault("flaky", times=2)),
-    (10, Fault("rate_limited", retry_after=1.0)),
-    (10, Fault("rate_limited", retry_after=1.0, http_date=True)),
+    (28, Fault("flaky", times=1)),  # 429s are rare per ID: each one pauses the whole job
+    (1, Fault("rate_limited", retry_after=1.0)),
+    (1, Fault("rate_limited", retry_after=1.0, http_date=True)),
     (10, Fault("slow", delay=0.2)),
-    (10, Fault("drop", times=1)),
+    (10, Fault("drop", times=2)),  # aiohttp silently resends a GET once after a drop
     (10, Fault("invalid_json", times=1)),
 )
 _DEMO_TABLE: tuple[Fault, ...] = tuple(f for n, f in _DEMO_MIX for _ in range(n))
@@ -122,9 +123,9 @@ _DEMO_TABLE: tuple[Fault, ...] = tuple(f for n, f in _DEMO_MIX for _ in range(n)
 def demo_faults(item_id: str) -> Fault:
     """A deterministic mixture chosen by ``zlib.crc32`` of the ID: about 15% of IDs misbehave.
 
-    3% not_found, 1% bad_request, 1% gone, 5% flaky (half ``times=1``, half ``times=2``), 2%
-    rate_limited (half with an HTTP-date ``Retry-After``), 1% slow (0.2 s), 1% drop, 1%
-    invalid_json; the rest are ok.
+    3% not_found, 1% bad_request, 1% gone, 7.8% flaky (``times`` 1 or 2), 0.2% rate_limited
+    (half with an HTTP-date ``Retry-After``), 1% slow (0.2 s), 1% drop (twice: the client sees
+    it), 1% invalid_json; the rest are ok.
     """
     bucket = _crc(b"fault:", item_id) % 1000
     return _DEMO_TABLE[bucket] if bucket < len(_DEMO_TABLE) else _OK

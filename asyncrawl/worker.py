@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,6 +91,7 @@ class Worker:
         halted: asyncio.Event,
         settle: Settle,
         halt: Callable[[str, Attempt | None], None],
+        intent: Callable[[str], Awaitable[bool]],
         pass_no: int,
     ) -> None:
         self.config = config
@@ -102,8 +103,10 @@ class Worker:
         self.halted = halted
         self.settle = settle
         self.halt = halt
+        self.intent = intent
         self.pass_no = pass_no
         self.in_flight = 0
+        self.flying: set[str] = set()  # IDs whose request is out; left here if cut off
         self.idle = asyncio.Event()
         self.idle.set()
         self.requests = 0
@@ -120,18 +123,20 @@ class Worker:
             if not await self.budget.reserve():
                 self.halt("budget", None)
                 return
-            if self.halted.is_set():  # no await between this check and the send
-                self.budget.release(False)
+            # Durably note that the request is about to leave, so that after a crash the ID is
+            # known to be in doubt (possibly billed). Group-committed with other records.
+            if self.halted.is_set() or not await self.intent(item.id) or self.halted.is_set():
+                self.budget.release(False)  # no await between the last check and the send
                 return
             self.in_flight += 1
+            self.flying.add(item.id)
             self.idle.clear()
             self.requests += 1
-            try:
-                attempt = await self.fetcher.attempt(item.id)
-            finally:
-                self.in_flight -= 1
-                if self.in_flight == 0:
-                    self.idle.set()
+            attempt = await self.fetcher.attempt(item.id)  # never raises but CancelledError
+            self.flying.discard(item.id)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
             self.budget.release(attempt.billable)
             item.tries += 1
             item.paid += attempt.billable
