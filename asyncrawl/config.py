@@ -58,6 +58,11 @@ class Config:
     rate: float = 10.0
     burst: int | None = None
     max_requests: int | None = None
+    adaptive: bool = True
+    retry_budget: float = 0.1
+    retry_budget_floor: float = 1.0
+    breaker: bool = True
+    breaker_probe_max: float = 10.0
     max_tries: int = 5
     backoff_base: float = 1.0
     backoff_max: float = 60.0
@@ -80,6 +85,7 @@ class Config:
     secrets: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
+        _check_shapes(self)
         set_ = object.__setattr__
         set_(self, "headers", _frozen_map(self.headers))
         set_(self, "params", _frozen_map(self.params))
@@ -90,8 +96,9 @@ class Config:
         if self.burst is None:
             set_(self, "burst", max(1, math.ceil(self.rate)) if _is_num(self.rate) else 1)
         secrets = set(self.secrets)
-        secrets.update(v for k, v in self.headers.items() if _SECRET_HEADER.search(k))
-        secrets.update(v for k, v in self.params.items() if _SECRET_PARAM.match(k))
+        # str(): TOML may give a number (sent as text), and a wrong type must not fail here
+        secrets.update(str(v) for k, v in self.headers.items() if _SECRET_HEADER.search(k))
+        secrets.update(str(v) for k, v in self.params.items() if _SECRET_PARAM.match(k))
         set_(self, "secrets", frozenset(s for s in secrets if isinstance(s, str) and len(s) >= 3))
         _validate(self)
 
@@ -194,6 +201,11 @@ TOML_KEYS: dict[str, str] = {
     "limits.rate": "rate",
     "limits.burst": "burst",
     "limits.max_requests": "max_requests",
+    "limits.adaptive": "adaptive",
+    "limits.retry_budget": "retry_budget",
+    "limits.retry_budget_floor": "retry_budget_floor",
+    "limits.breaker": "breaker",
+    "limits.breaker_probe_max": "breaker_probe_max",
     "retry.max_tries": "max_tries",
     "retry.backoff_base": "backoff_base",
     "retry.backoff_max": "backoff_max",
@@ -240,6 +252,28 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _check_shapes(c: Config) -> None:
+    """The fields ``__post_init__`` converts, checked before it does: a wrong type is a
+    ``ConfigError`` naming the key, not a ``TypeError`` from ``dict()`` or ``frozenset()``."""
+    def bad(name: str, msg: str) -> ConfigError:
+        return ConfigError(msg, key=FIELD_KEYS.get(name, name))
+
+    for name in ("headers", "params"):
+        v = getattr(c, name)
+        if v is not None and not (isinstance(v, Mapping) and all(isinstance(k, str) for k in v)):
+            raise bad(name, f"must be a table of name = value, got {type(v).__name__}")
+    for name in ("retryable", "skip", "fatal", "success_values"):
+        v = getattr(c, name)
+        if not isinstance(v, list | tuple | set | frozenset):
+            raise bad(name, f"must be a list, got {type(v).__name__}")
+    for name in ("retryable", "skip", "fatal"):
+        for code in getattr(c, name):
+            if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
+                raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
+    if not isinstance(c.method, str):
+        raise bad("method", f"must be a string, got {type(c.method).__name__}")
+
+
 def _validate(c: Config) -> None:
     def bad(name: str, msg: str) -> ConfigError:
         return ConfigError(msg, key=FIELD_KEYS.get(name, name))
@@ -248,7 +282,8 @@ def _validate(c: Config) -> None:
     for name in types:
         v = getattr(c, name)
         if name in ("timeout", "rate", "backoff_base", "backoff_max", "cooldown", "grace",
-                    "retry_after_max", "progress_interval", "price_per_call", "max_spend"):
+                    "retry_after_max", "progress_interval", "price_per_call", "max_spend",
+                    "retry_budget", "retry_budget_floor", "breaker_probe_max"):
             if v is None and name in ("price_per_call", "max_spend"):
                 continue
             if not _is_num(v):
@@ -262,7 +297,7 @@ def _validate(c: Config) -> None:
                 v = int(v)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
-        elif name in ("second_pass", "recheck_permanent", "verify_tls"):
+        elif name in ("second_pass", "recheck_permanent", "verify_tls", "adaptive", "breaker"):
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
         elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects"):
@@ -283,11 +318,12 @@ def _validate(c: Config) -> None:
                     raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
 
     positive = ("timeout", "rate", "concurrency", "burst", "max_tries", "max_body_bytes",
-                "progress_interval", "retry_after_max")
+                "progress_interval", "retry_after_max", "retry_budget_floor", "breaker_probe_max")
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
-    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects"):
+    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects",
+                 "retry_budget"):
         if getattr(c, name) < 0:
             raise bad(name, f"must not be negative, got {getattr(c, name)!r}")
     for name in ("max_requests",):

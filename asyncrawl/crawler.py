@@ -35,7 +35,7 @@ from .alerts import send_alerts
 from .config import Config
 from .errors import AsyncrawlError, StorageError
 from .fetch import Attempt, Classifier, Fetcher, Outcome, Request
-from .governor import Budget, Governor
+from .governor import Breaker, Budget, Governor, RetryBudget
 from .journal import Journal, Record, Writer
 from .source import file_ids, iter_ids, prescan_file
 from .worker import Item, Parking, Worker
@@ -274,7 +274,11 @@ class Crawler:
                                        on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
         ticker = asyncio.create_task(self._tick(), name="asyncrawl-progress")
-        self._governor = Governor(rate=cfg.rate, burst=cfg.burst or 1)
+        self._governor = Governor(
+            rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
+            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None,
+            retry_budget=RetryBudget(ratio=cfg.retry_budget, floor=cfg.retry_budget_floor,
+                                     capacity=max(10.0, cfg.retry_budget * cfg.rate * 10)))
         self._budget_limit = cfg.request_budget
         budget = Budget(self._budget_limit)
         fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify)
@@ -343,7 +347,7 @@ class Crawler:
         self.pass_no = pass_no
         self._wake.clear()
         queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max(64, 2 * cfg.concurrency))
-        parking = Parking(queue)
+        parking = Parking(queue, self._governor.retry_budget if self._governor else None)
         workers = self._workers = Worker(
             config=cfg, queue=queue, parking=parking, governor=self._governor,  # type: ignore[arg-type]
             budget=budget, fetcher=fetcher, halted=self.halted, settle=self._settle,
@@ -365,6 +369,7 @@ class Crawler:
             await self._shutdown(producer, feeder, tasks, workers)
             self.requests += workers.requests
             self.retries += workers.retries
+            self._workers = None
             self._cut_off |= workers.flying  # requests cancelled in flight: possibly billed
         for t in (producer, feeder, *tasks):
             if not t.cancelled() and t.exception() is not None:

@@ -98,7 +98,7 @@ class RequestBuilder:
 
     def __init__(self, config: Config) -> None:
         self._method = config.method
-        self._headers = dict(config.headers)
+        self._headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
         self._parts = config.url.split("{id}")
         # Query parameters are encoded here, once; only {id} is filled per request.
         query = [
@@ -179,8 +179,12 @@ class Fetcher:
                 ) as resp:
                     status = resp.status
                     if status in REDIRECTS and "Location" in resp.headers:
-                        target = url.join(URL(resp.headers["Location"]))
-                        same = target.origin() == url.origin()
+                        try:
+                            target = url.join(URL(resp.headers["Location"]))
+                            same = target.origin() == url.origin()
+                        except ValueError:  # not a URL, or one without a host (mailto:, data:)
+                            return Attempt(Outcome.SKIP, status, error=cfg.redact(
+                                f"redirect to an invalid Location {resp.headers['Location']}"[:500]))
                         allowed = cfg.follow_redirects == "any" or (
                             same and cfg.follow_redirects == "same-origin")
                         if not allowed or hop == cfg.max_redirects:
@@ -189,7 +193,8 @@ class Fetcher:
                                 f"{why}: Location {resp.headers['Location']}"[:500]))
                         if not same:  # never carry credentials to another origin
                             headers = {k: v for k, v in headers.items()
-                                       if not _SECRET_HEADER.search(k) and v not in cfg.secrets}
+                                       if not _SECRET_HEADER.search(k)
+                                       and not any(s in v for s in cfg.secrets)}
                         if status == 303:
                             method = "GET"
                         url = target

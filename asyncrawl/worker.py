@@ -22,7 +22,7 @@ from typing import Protocol
 
 from .config import Config
 from .fetch import Attempt, Fetcher, Outcome
-from .governor import Budget, Governor
+from .governor import Budget, Governor, RetryBudget
 from .retry import retry_delay
 
 
@@ -33,13 +33,16 @@ class Item:
     id: str
     tries: int = 0
     paid: int = 0
+    needs_budget: bool = False  # its next try is a retry the retry budget must allow
 
 
 class Parking:
-    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue."""
+    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue,
+    once the retry budget (if any) allows their retry."""
 
-    def __init__(self, queue: asyncio.Queue[Item]) -> None:
+    def __init__(self, queue: asyncio.Queue[Item], budget: RetryBudget | None = None) -> None:
         self._queue = queue
+        self._budget = budget
         self._heap: list[tuple[float, int, Item]] = []
         self._seq = itertools.count()
         self._wake = asyncio.Event()
@@ -69,6 +72,12 @@ class Parking:
                     await asyncio.wait_for(self._wake.wait(), due)
                 continue
             _, _, item = heapq.heappop(self._heap)
+            if item.needs_budget and self._budget is not None:
+                wait = self._budget.spend(self._loop.time())
+                if wait > 0:
+                    self.park(item, wait)
+                    continue
+                item.needs_budget = False
             await self._queue.put(item)
 
 
@@ -117,9 +126,10 @@ class Worker:
                 f"parked={len(self.parking)} in_flight={self.in_flight}>")
 
     async def run(self) -> None:
+        gov = self.governor
         while not self.halted.is_set():
             item = await self.queue.get()
-            await self.governor.acquire()
+            ticket = await gov.acquire()
             if not await self.budget.reserve():
                 self.halt("budget", None)
                 return
@@ -138,8 +148,23 @@ class Worker:
             if self.in_flight == 0:
                 self.idle.set()
             self.budget.release(attempt.billable)
+            if item.tries == 0 and gov.retry_budget is not None:
+                gov.retry_budget.on_first_try()
             item.tries += 1
             item.paid += attempt.billable
+            retry = attempt.outcome is Outcome.RETRY
+            limited = retry and attempt.status == 429
+            retry_after = attempt.retry_after
+            if retry_after is not None:
+                retry_after = min(retry_after, self.config.retry_after_max)
+            gov.on_response(ticket, item.id, limited=limited, failed=retry and not limited,
+                            retry_after=retry_after)
+            if retry and not limited and gov.breaker_open:
+                # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
+                item.tries -= 1
+                self.parking.park(item, 0.0)
+                continue
+            item.needs_budget = retry and not limited
             self.handle(item, attempt)
             if self.budget.exhausted:
                 self.halt("budget", None)
@@ -155,8 +180,6 @@ class Worker:
             self.settle(item, final, attempt, permanent=True)
         elif item.tries < self.config.max_tries:
             cfg = self.config
-            if attempt.retry_after is not None:
-                self.governor.pause(min(attempt.retry_after, cfg.retry_after_max))
             self.retries += 1
             self.parking.park(item, retry_delay(
                 item.tries, attempt.retry_after, base=cfg.backoff_base, cap=cfg.backoff_max,

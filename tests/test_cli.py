@@ -1,0 +1,673 @@
+"""The command line end to end: ``python -m asyncrawl`` subprocesses against the mock API running
+in its own process (``python -m asyncrawl.testing``), which logs every request start and end.
+
+Crash tests kill real processes; the API key always travels through ``ASYNCRAWL_TEST_KEY``,
+referenced as ``${ASYNCRAWL_TEST_KEY}`` in the config (``write_config``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import csv
+import inspect
+import io
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from asyncrawl.journal import Writer, load_state
+from asyncrawl.testing import LogEntry, demo_faults, payload_for, read_log
+
+from .conftest import KEY, cli, write_config, write_ids
+
+ENV = {"ASYNCRAWL_TEST_KEY": KEY}
+BATCH_LIMIT: int = inspect.signature(Writer).parameters["batch_limit"].default
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def answers(log: list[LogEntry], status: int = 200) -> collections.Counter[str]:
+    """ID -> how many answers with ``status`` the mock gave (200: billed)."""
+    return collections.Counter(e.id for e in log if e.event == "end" and e.status == status)
+
+
+def starts(log: list[LogEntry]) -> collections.Counter[str]:
+    return collections.Counter(e.id for e in log if e.event == "start")
+
+
+def jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def status_json(cfg: Path, env: dict[str, str] = ENV) -> dict[str, Any]:
+    r = cli("status", "-c", str(cfg), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, r.stdout  # one JSON object
+    return json.loads(lines[0])
+
+
+def export(cfg: Path, *args: str, env: dict[str, str] = ENV) -> str:
+    r = cli("export", "-c", str(cfg), *args, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def ok_count(state: Path) -> int:
+    """Durable ``ok`` records in the state directory (read without the lock, like ``status``)."""
+    if not (state / "journal.jsonl").exists():
+        return 0
+    return load_state(state).counts()["ok"]
+
+
+def durable_ok_ids(state: Path) -> set[str]:
+    return {i for i, o in load_state(state).outcome.items() if o == "ok"}
+
+
+def popen_cli(tmp_path: Path, name: str, *args: str, env: dict[str, str] = ENV) -> subprocess.Popen[str]:
+    """``python -m asyncrawl ARGS`` in the background; stdout/stderr go to files (no pipe stalls)."""
+    out = (tmp_path / f"{name}.out").open("w")
+    err = (tmp_path / f"{name}.err").open("w")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "asyncrawl", *args], stdout=out, stderr=err,
+                                env={**os.environ, **env}, text=True)
+    finally:
+        out.close()
+        err.close()
+
+
+def wait_until(pred: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the condition held"
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def settle_log(path: Path, quiet: float = 0.3, timeout: float = 10) -> list[LogEntry]:
+    """The mock's log once it stopped growing (answers to a killed client still get logged)."""
+    deadline = time.monotonic() + timeout
+    size = -1
+    while time.monotonic() < deadline:
+        new = path.stat().st_size
+        if new == size:
+            break
+        size = new
+        time.sleep(quiet)
+    return read_log(path)
+
+
+def ids_of(kind: str, n: int, prefix: str = "x") -> list[str]:
+    """``n`` IDs to which ``--faults demo`` gives the fault ``kind``."""
+    out = []
+    i = 0
+    while len(out) < n:
+        item = f"{prefix}{i}"
+        if demo_faults(item).kind == kind:
+            out.append(item)
+        i += 1
+    return out
+
+
+@contextmanager
+def webhook_receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A small aiohttp server in a thread that records every POST (headers and JSON body)."""
+    posts: list[dict[str, Any]] = []
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        posts.append({"headers": dict(request.headers), "raw": await request.read(),
+                      "json": await request.json()})
+        return web.Response(text="thanks")
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_post("/hook", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        box["url"] = f"http://127.0.0.1:{runner.addresses[0][1]}/hook"
+        box["loop"] = asyncio.get_running_loop()
+        box["stop"] = stop = asyncio.Event()
+        ready.set()
+        await stop.wait()
+        await runner.cleanup()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield box["url"], posts
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+
+
+# -- 1. a normal run and the output formats ----------------------------------------------------
+
+
+def test_normal_run_export_formats_and_status(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    ids = [f"n{i}" for i in range(200)]
+    unfetchable = {i: demo_faults(i).kind for i in ids
+                   if demo_faults(i).kind in ("not_found", "bad_request", "gone")}
+    fetchable = [i for i in ids if i not in unfetchable]
+    assert unfetchable and fetchable
+    state = tmp_path / "state"
+    idsf = write_ids(tmp_path / "ids.txt", ids + ids[:10])  # duplicates are fetched once
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, idsf)
+
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "asyncrawl: finished" in r.stdout
+    log = read_log(mock.log_path)
+
+    ok_lines = jsonl(export(cfg, "--outcome", "ok", "--format", "jsonl"))
+    assert len(ok_lines) == len(fetchable)
+    assert sorted(ok_lines, key=lambda o: o["id"]) == sorted(
+        ({"id": i, "data": payload_for(i)} for i in fetchable), key=lambda o: o["id"])
+    assert all(list(o) == ["id", "data"] for o in ok_lines)
+
+    id_lines = export(cfg, "--format", "ids").splitlines()
+    assert sorted(id_lines) == sorted(fetchable)
+
+    bad = jsonl(export(cfg, "--outcome", "unavailable", "--format", "jsonl"))
+    want_status = {"not_found": 404, "bad_request": 400, "gone": 500}
+    assert {o["id"]: o["status"] for o in bad} == {i: want_status[k] for i, k in unfetchable.items()}
+    assert all(set(o) == {"id", "status", "error"} and o["error"] for o in bad)
+    assert export(cfg, "--outcome", "failed") == ""
+
+    out = tmp_path / "out" / "ok.jsonl"
+    out.parent.mkdir()
+    r = cli("export", "-c", str(cfg), "-o", str(out), env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert sorted(out.read_text().splitlines()) == sorted(
+        export(cfg, "--outcome", "ok", "--format", "jsonl").splitlines())
+    assert [p.name for p in out.parent.iterdir()] == ["ok.jsonl"]  # no temp file left behind
+
+    rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv"))))
+    assert rows[0] == ["id", "title", "value"]
+    assert len(rows) == 1 + len(fetchable)
+    by_id = {row[0]: row for row in rows[1:]}
+    assert set(by_id) == set(fetchable)
+    p = payload_for(fetchable[0])
+    assert by_id[fetchable[0]] == [p["id"], p["title"], str(p["value"])]
+    rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv", "--fields", "value,id"))))
+    assert rows[0] == ["value", "id"] and len(rows) == 1 + len(fetchable)
+    assert [str(p["value"]), p["id"]] in rows
+
+    # status --json: integer counts, no halt, billable calls by date = the mock's 200 answers
+    s = status_json(cfg)
+    for key in ("ok", "failed", "unavailable"):
+        assert type(s[key]) is int
+    assert (s["ok"], s["failed"], s["unavailable"]) == (len(fetchable), 0, len(unfetchable))
+    assert s["halt"] is None
+    paid = sum(answers(log).values())
+    assert paid >= len(fetchable)
+    by_date = s["billable_by_date"]
+    assert by_date and all(re.fullmatch(r"\d{4}-\d\d-\d\d", d) for d in by_date)
+    assert sum(by_date.values()) == paid == s["billable"]
+
+    # status and export need only the state directory (no config, no key)
+    r = cli("status", "--state", str(state), "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] == len(fetchable)
+    r = cli("export", "--state", str(state), "--format", "ids", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == sorted(fetchable)
+
+    # a rerun fetches nothing
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert len(read_log(mock.log_path)) == len(log)
+
+
+# -- 2. kill -9 mid-run ------------------------------------------------------------------------
+
+
+def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
+              concurrency: int = 16) -> dict[str, Any]:
+    """Start a run, SIGKILL it once ``threshold`` ok records are durable; report what was on disk."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.005")
+    ids = [f"k{i:05d}" for i in range(n)]
+    state = tmp_path / "state"
+    idsf = write_ids(tmp_path / "ids.txt", ids)
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, idsf,
+                       limits={"concurrency": concurrency, "rate": 1000})
+    proc = popen_cli(tmp_path, "killed", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: ok_count(state) > threshold, proc)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    durable = durable_ok_ids(state)
+    log_at_kill = settle_log(mock.log_path)
+    return {"mock": mock, "ids": ids, "state": state, "cfg": cfg, "durable": durable,
+            "log_at_kill": log_at_kill}
+
+
+@pytest.mark.parametrize("threshold", [200, 1800])
+def test_kill_9_then_rerun_refetches_only_what_was_in_flight(
+        tmp_path: Path, mock_process: Any, threshold: int) -> None:
+    concurrency = 16
+    c = crash_run(tmp_path, mock_process, threshold, concurrency=concurrency)
+    ids, durable = c["ids"], c["durable"]
+    assert threshold < len(durable) < len(ids)  # killed mid-run
+    # in doubt: every ID whose request reached the API without a durable result (possibly billed)
+    unsettled_sent = set(starts(c["log_at_kill"])) - durable
+    assert unsettled_sent
+    in_doubt = jsonl(export(c["cfg"], "--outcome", "in-doubt"))
+    assert unsettled_sent <= {o["id"] for o in in_doubt}
+    assert not {o["id"] for o in in_doubt} & durable
+    assert not any(o["refetched"] for o in in_doubt)
+    assert len(in_doubt) <= concurrency + BATCH_LIMIT
+
+    r = cli("run", "-c", str(c["cfg"]), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    log = read_log(c["mock"].log_path)
+
+    exported = export(c["cfg"], "--outcome", "ok", "--format", "ids").splitlines()
+    assert sorted(exported) == ids  # every ID exactly once
+    ok_lines = jsonl(export(c["cfg"], "--outcome", "ok"))
+    assert len(ok_lines) == len(ids) and all(o["data"] == payload_for(o["id"]) for o in ok_lines)
+
+    paid = answers(log)
+    assert set(paid) == set(ids)
+    refetched = {i for i, n in paid.items() if n > 1}
+    print(f"kill -9 after {threshold}+ durable ok ({len(durable)} on disk): "
+          f"{len(refetched)} IDs paid twice")
+    assert len(refetched) <= concurrency + BATCH_LIMIT
+    assert not refetched & durable  # nothing fsynced is ever fetched again
+    # every re-fetched ID had been answered 200 to the killed run and was not yet durable
+    paid_before = set(answers(c["log_at_kill"]))
+    assert refetched <= paid_before - durable
+    assert all(n <= 2 for n in paid.values())
+    # ... and each of them is reported: in doubt, re-fetched since (possibly billed twice)
+    in_doubt = {o["id"]: o["refetched"] for o in jsonl(export(c["cfg"], "--outcome", "in-doubt"))}
+    assert refetched <= {i for i, twice in in_doubt.items() if twice}
+    s = status_json(c["cfg"])
+    assert (s["ok"], s["failed"], s["unavailable"], s["halt"]) == (len(ids), 0, 0, None)
+    # the journal only knows what it recorded: the answers lost with the killed process are
+    # exactly the re-fetched ones
+    assert s["billable"] == len(ids) == sum(paid.values()) - len(refetched)
+    assert s["possibly_billed_twice"] >= len(refetched)
+
+
+# -- 3. SIGINT / SIGTERM -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_flushes_and_rerun_refetches_nothing_that_succeeded(
+        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.005")
+    ids = [f"s{i:05d}" for i in range(1500)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 16, "rate": 1000})
+    proc = popen_cli(tmp_path, "first", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: ok_count(state) > 300, proc)
+        proc.send_signal(sig)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = (tmp_path / "first.out").read_text()
+    assert rc == code, (tmp_path / "first.err").read_text()
+    assert "asyncrawl: stopped early" in out and f"stopped by {sig.name}" in out
+    first_log = settle_log(mock.log_path)
+    paid_first = set(answers(first_log))
+    assert 300 < len(paid_first) < len(ids)
+    assert durable_ok_ids(state) == paid_first  # everything answered 200 was recorded
+
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    paid = answers(read_log(mock.log_path))
+    assert set(paid) == set(ids)
+    assert [i for i, n in paid.items() if n > 1] == []  # no ID answered 200 twice
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == ids
+
+
+def test_a_second_sigint_cuts_the_grace_period_short(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "10")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(20)]),
+                       limits={"concurrency": 4}, run={"grace": 60})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) == 4, proc)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # waiting for the 4 requests in flight (10 s each)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 130, (tmp_path / "run.err").read_text()
+    assert took < 6  # well before the in-flight answers (10 s) or the grace period (60 s)
+    assert "stopped early" in (tmp_path / "run.out").read_text()
+    assert sum(starts(read_log(mock.log_path)).values()) == 4  # nothing new after the signal
+    assert status_json(cfg)["ok"] == 0
+
+
+# -- 4. fatal responses and alerts -------------------------------------------------------------
+
+
+def test_402_halts_keeps_what_was_paid_and_status_shows_it(tmp_path: Path, mock_process: Any) -> None:
+    concurrency = 8
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--balance", "100")
+    ids = [f"b{i}" for i in range(400)]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ids), limits={"concurrency": concurrency})
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 3, r.stderr
+    assert "stopped early" in r.stdout and "HTTP 402" in r.stdout
+    log = read_log(mock.log_path)
+    first_402 = next(e.seq for e in log if e.event == "end" and e.status == 402)
+    late = [e for e in log if e.event == "start" and e.seq > first_402]
+    assert len(late) <= concurrency - 1
+    billed = set(answers(log))
+    assert len(billed) == 100
+    assert set(export(cfg, "--format", "ids").splitlines()) == billed
+    s = status_json(cfg)
+    assert s["ok"] == 100
+    assert s["halt"] is not None and s["halt"]["status"] == 402 and s["halt"]["message"]
+    assert s["billable"] == 100
+
+
+def test_401_halts_with_at_most_concurrency_requests(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", "the-right-key", "--faults", "none")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"u{i}" for i in range(300)]),
+                       limits={"concurrency": 6})
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 3, r.stderr
+    assert "HTTP 401" in r.stdout
+    log = read_log(mock.log_path)
+    assert 1 <= sum(starts(log).values()) <= 6
+    assert answers(log) == collections.Counter()
+    assert status_json(cfg)["halt"]["status"] == 401
+
+
+def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--balance", "30")
+    env_file = tmp_path / "alert-env.txt"
+    with webhook_receiver() as (hook_url, posts):
+        cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                           write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(100)]),
+                           alerts={"on_halt": f"env > '{env_file}'", "webhook": hook_url})
+        r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+        assert r.returncode == 3, r.stderr
+    env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+    assert env["ASYNCRAWL_REASON"] == "fatal"
+    assert env["ASYNCRAWL_STATUS"] == "402"
+    assert env["ASYNCRAWL_OK"] == "30"
+    assert env["ASYNCRAWL_STATE_DIR"] == str(tmp_path / "state")
+    assert "ASYNCRAWL_MESSAGE" in env
+    assert KEY not in env_file.read_text()  # not even through the caller's own environment
+
+    assert len(posts) == 1
+    body = posts[0]["json"]
+    assert body["reason"] == "fatal" and body["status"] == 402 and body["ok"] == 30
+    assert KEY.encode() not in posts[0]["raw"]
+    assert KEY not in json.dumps(posts[0]["headers"])
+
+
+# -- 5. the lock -------------------------------------------------------------------------------
+
+
+def test_second_run_on_a_locked_state_dir_exits_2_at_once(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = [f"l{i}" for i in range(160)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 4})
+    first = popen_cli(tmp_path, "first", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: ok_count(state) > 4, first)
+        t0 = time.monotonic()
+        r = cli("run", "-c", str(cfg), "--no-progress", env=ENV, timeout=30)
+        took = time.monotonic() - t0
+        assert first.poll() is None  # the first run was still going
+        assert r.returncode == 2, r.stderr
+        assert "another asyncrawl run" in r.stderr and str(state) in r.stderr
+        assert f"pid {first.pid}" in r.stderr
+        assert took < 15
+        assert first.wait(60) == 0, (tmp_path / "first.err").read_text()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    log = read_log(mock.log_path)
+    assert starts(log) == collections.Counter(ids)  # the refused run sent nothing
+    assert status_json(cfg)["ok"] == len(ids)
+
+
+# -- 6. config and input errors ----------------------------------------------------------------
+
+
+def _bad_utf8_ids(path: Path) -> Path:
+    path.write_bytes(b"a1\na2\na3\na4\nbad-\xff-id\na6\n")
+    return path
+
+
+def _long_line_ids(path: Path) -> Path:
+    path.write_bytes(b"a1\na2\n" + b"x" * 5000 + b"\na4\n")
+    return path
+
+
+BAD_INPUTS: dict[str, tuple[dict[str, Any], Callable[[Path], Path] | None, list[str]]] = {
+    # name: (config sections, IDs file maker, what stderr must name)
+    "unknown key": ({"limits": {"concurency": 8}}, None, ["limits.concurency", "unknown key"]),
+    "wrong type": ({"limits": {"concurrency": "eight"}}, None, ["limits.concurrency", "whole number"]),
+    "wrong type bool": ({"passes": {"second_pass": "yes"}}, None, ["passes.second_pass"]),
+    "missing env var": ({"request__headers": {"X-Api-Key": "${ASYNCRAWL_TEST_UNSET_VAR}"}}, None,
+                        ["request.headers.X-Api-Key", "ASYNCRAWL_TEST_UNSET_VAR"]),
+    "url without id": ({"request": {"url": "URL/fixed"}}, None, ["request.url", "{id}"]),
+    "invalid utf-8": ({}, _bad_utf8_ids, ["ids.txt:5", "UTF-8"]),
+    "over-long line": ({}, _long_line_ids, ["ids.txt:3", "limit"]),
+    "missing ids file": ({}, None, ["no-such-ids.txt", "not found"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_config_and_input_errors_exit_2_and_send_nothing(
+        tmp_path: Path, mock_process: Any, case: str) -> None:
+    sections, make_ids, expected = BAD_INPUTS[case]
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = tmp_path / "ids.txt"
+    if make_ids is not None:
+        make_ids(ids)
+    elif case == "missing ids file":
+        ids = tmp_path / "no-such-ids.txt"
+    else:
+        write_ids(ids, ["a1", "a2", "a3"])
+    sections = {name: {k: (v.replace("URL", mock.url) if isinstance(v, str) else v)
+                       for k, v in values.items()} for name, values in sections.items()}
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids, **sections)
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    for text in expected:
+        assert text in r.stderr, r.stderr
+    if make_ids is None and case != "missing ids file":
+        assert str(cfg) in r.stderr  # config errors name the file too
+    assert "Traceback" not in r.stderr
+    time.sleep(0.1)
+    assert read_log(mock.log_path) == []  # nothing was sent
+
+
+# -- 7. budget, dry run, no second pass, stdin -------------------------------------------------
+
+
+def test_max_requests_dry_run_and_resume(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = [f"m{i:03d}" for i in range(120)]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ids),
+                       billing={"price_per_call": 0.002, "currency": "EUR"})
+
+    r = cli("run", "-c", str(cfg), "--no-progress", "--max-requests", "37", env=ENV)
+    assert r.returncode == 4, r.stderr
+    log = read_log(mock.log_path)
+    assert sum(answers(log).values()) == 37
+    assert len(export(cfg, "--format", "ids").splitlines()) == 37
+    s = status_json(cfg)
+    assert s["ok"] == 37 and s["billable"] == 37 and s["cost"] == pytest.approx(0.074)
+
+    r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "calls left: 83" in r.stdout
+    assert "already done: 37" in r.stdout
+    assert "0.1660 EUR" in r.stdout  # 83 calls at 0.002
+    assert len(read_log(mock.log_path)) == len(log)  # the dry run sent nothing
+
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    paid = answers(read_log(mock.log_path))
+    assert set(paid) == set(ids) and max(paid.values()) == 1  # nothing fetched twice
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == ids
+
+
+def test_dry_run_without_price_sends_nothing(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ["a", "b", "c", "a"]))
+    r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert "calls left: 3" in r.stdout and "price_per_call" in r.stdout
+    time.sleep(0.1)
+    assert read_log(mock.log_path) == []
+
+
+def test_no_second_pass_exits_6_and_ids_from_stdin(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    good = ids_of("ok", 20)
+    gone, missing = ids_of("gone", 1)[0], ids_of("not_found", 1)[0]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       tmp_path / "not-this-file.txt")
+    stdin = "\r\n".join([*good, gone, "", f"  {missing}  ", good[0]]) + "\n"
+
+    r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", "--no-second-pass",
+            env=ENV, stdin=stdin)
+    assert r.returncode == 6, r.stderr
+    assert "rerun" in r.stdout
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == sorted(good)
+    failed = {o["id"]: o for o in jsonl(export(cfg, "--outcome", "failed"))}
+    assert {i: o["status"] for i, o in failed.items()} == {gone: 500, missing: 404}
+    s = status_json(cfg)
+    assert (s["ok"], s["failed"], s["unavailable"]) == (20, 2, 0)
+    n_gone = starts(read_log(mock.log_path))[gone]
+    assert n_gone == 3  # max_tries
+
+    # a rerun retries what failed, and only that
+    r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", "--no-second-pass",
+            env=ENV, stdin=stdin)
+    assert r.returncode == 6, r.stderr
+    after = starts(read_log(mock.log_path))
+    assert after[gone] == 2 * n_gone and after[missing] == 2
+    assert all(after[i] == 1 for i in good)
+
+
+# -- 8. secrets --------------------------------------------------------------------------------
+
+
+def test_the_key_is_never_written_anywhere(tmp_path: Path, mock_process: Any) -> None:
+    key = "sk-live-" + secrets.token_hex(16)
+    env = {"ASYNCRAWL_TEST_KEY": key}
+    mock = mock_process("--api-key", key, "--faults", "demo")
+    state = tmp_path / "state"
+    ids = [f"z{i}" for i in range(250)]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       request__params={"api_key": "${ASYNCRAWL_TEST_KEY}", "q": "{id}"})
+    log_file = tmp_path / "asyncrawl.log"
+    outputs: list[str] = []
+
+    r = cli("run", "-c", str(cfg), "--log-file", str(log_file), "--log-format", "json",
+            "-H", "Authorization: Bearer ${ASYNCRAWL_TEST_KEY}", env=env)
+    outputs += [r.stdout, r.stderr]
+    assert r.returncode == 0, r.stderr
+    for args in (["status"], ["status", "--json"]):
+        r = cli(*args, "-c", str(cfg), env=env)
+        assert r.returncode == 0, r.stderr
+        outputs += [r.stdout, r.stderr]
+    for outcome in ("ok", "failed", "unavailable"):
+        for fmt in ("jsonl", "csv", "ids"):
+            r = cli("export", "-c", str(cfg), "--outcome", outcome, "--format", fmt, env=env)
+            assert r.returncode == 0, r.stderr
+            outputs += [r.stdout, r.stderr]
+    exported = tmp_path / "export.jsonl"
+    r = cli("export", "-c", str(cfg), "-o", str(exported), env=env)
+    assert r.returncode == 0, r.stderr
+    outputs += [r.stdout, r.stderr]
+    # a 401 (wrong key in the mock) makes asyncrawl talk about the key
+    wrong = mock_process("--api-key", "something-else", "--faults", "none")
+    cfg401 = write_config(tmp_path / "c401.toml", wrong.item_url, tmp_path / "state401",
+                          tmp_path / "ids.txt")
+    r = cli("run", "-c", str(cfg401), env=env)
+    assert r.returncode == 3
+    outputs += [r.stdout, r.stderr]
+
+    files = [log_file, exported, *(p for d in (state, tmp_path / "state401")
+                                   for p in d.rglob("*") if p.is_file())]
+    assert len(files) >= 5
+    blobs = [o.encode() for o in outputs] + [p.read_bytes() for p in files]
+    assert sum(map(len, blobs)) > 10_000  # there was plenty to look through
+    for secret in (key, key.removeprefix("sk-live-")):
+        assert not any(secret.encode() in b for b in blobs)
+
+    lines = log_file.read_text().splitlines()
+    assert lines
+    parsed = [json.loads(line) for line in lines]
+    assert all({"ts", "level", "msg"} <= set(p) for p in parsed)
+    assert any("progress" in p for p in parsed)
+
+
+# -- 9. progress off a terminal ----------------------------------------------------------------
+
+
+def test_periodic_progress_lines_off_a_terminal(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"p{i}" for i in range(160)])
+
+    def run(name: str, *flags: str) -> subprocess.CompletedProcess[str]:
+        cfg = write_config(tmp_path / f"{name}.toml", mock.item_url, tmp_path / name, ids,
+                           limits={"rate": 80, "burst": 1, "concurrency": 4},
+                           run={"progress_interval": 0.5})
+        r = cli("run", "-c", str(cfg), *flags, env=ENV)
+        assert r.returncode == 0, r.stderr
+        assert "asyncrawl: finished" in r.stdout  # the final summary either way
+        return r
+
+    r = run("with")
+    progress = [ln for ln in r.stderr.splitlines() if "req/s" in ln]
+    assert len(progress) >= 2, r.stderr
+    assert all(re.search(r"\bok \d+", ln) for ln in progress)
+    assert "\r" not in r.stderr and "\x1b[" not in r.stderr  # no terminal redraws in a pipe
+
+    r = run("without", "--no-progress")
+    assert "req/s" not in r.stderr and not re.search(r"\bok \d+", r.stderr)

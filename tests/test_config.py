@@ -1,0 +1,337 @@
+"""config.py: the example config loads, ${VAR} expansion and secrets, and every invalid value is a
+ConfigError that names its key (never a TypeError or ValueError from deep inside)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncrawl import Config, ConfigError
+from asyncrawl.config import DEFAULT_FATAL, DEFAULT_RETRYABLE, DEFAULT_SKIP, TOML_KEYS
+
+from .conftest import ROOT
+
+URL = "https://api.example.com/v1/notes/{id}"
+SECRET = "s3cr3t-value-9f8e7d"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "config.toml"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def load(tmp_path: Path, body: str) -> Config:
+    return Config.load(write(tmp_path, f'[request]\nurl = "{URL}"\n{body}'))
+
+
+# -- the example ---------------------------------------------------------------------------------
+
+
+def test_repo_config_toml_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("API_KEY", SECRET)
+    cfg = Config.load(ROOT / "config.toml")
+    assert cfg.url == URL
+    assert cfg.ids == str(ROOT / "ids.txt")  # relative to the config file
+    assert cfg.state_dir == str(ROOT / "state")
+    assert cfg.method == "GET"
+    assert cfg.timeout == 30
+    assert cfg.max_body_bytes == 8388608
+    assert cfg.follow_redirects == "same-origin"
+    assert cfg.max_redirects == 5
+    assert cfg.verify_tls is True
+    assert dict(cfg.headers) == {"X-Api-Key": SECRET, "Accept": "application/json"}
+    assert dict(cfg.params) == {}
+    assert (cfg.concurrency, cfg.rate, cfg.burst) == (16, 10, 10)
+    assert cfg.max_requests is None
+    assert (cfg.max_tries, cfg.backoff_base, cfg.backoff_max) == (5, 1, 60)
+    assert cfg.jitter == "full"
+    assert cfg.retry_after_max == 600
+    assert cfg.retryable == DEFAULT_RETRYABLE
+    assert cfg.skip == DEFAULT_SKIP
+    assert cfg.fatal == DEFAULT_FATAL
+    assert (cfg.second_pass, cfg.cooldown, cfg.recheck_permanent) == (True, 60, True)
+    assert (cfg.grace, cfg.progress_interval) == (10, 10)
+    assert cfg.currency == "USD"
+    assert cfg.price_per_call is None and cfg.max_spend is None
+    assert cfg.on_halt is None and cfg.webhook is None
+    assert SECRET in cfg.secrets
+    assert SECRET not in repr(cfg)
+
+
+def test_repo_config_toml_without_api_key_names_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("API_KEY", raising=False)
+    with pytest.raises(ConfigError) as e:
+        Config.load(ROOT / "config.toml")
+    assert "request.headers.X-Api-Key" in str(e.value)
+    assert "API_KEY" in str(e.value)
+    assert str(ROOT / "config.toml") in str(e.value)
+
+
+# -- ${VAR} and secrets --------------------------------------------------------------------------
+
+
+def test_env_expansion_becomes_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRAWL_T_TRACE", SECRET)
+    cfg = load(tmp_path, '[request.headers]\nX-Trace = "pre-${ASYNCRAWL_T_TRACE}-post"\n'
+                         'Accept = "application/json"\n')
+    assert cfg.headers["X-Trace"] == f"pre-{SECRET}-post"
+    assert SECRET in cfg.secrets
+    assert cfg.redact(f"sent X-Trace: pre-{SECRET}-post") == "sent X-Trace: pre-***-post"
+    assert SECRET not in repr(cfg)
+    assert "application/json" in repr(cfg)  # non-secret values still shown
+
+
+def test_env_expansion_in_url_and_nested_params(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRAWL_T_HOST", "api.internal.example")
+    monkeypatch.setenv("ASYNCRAWL_T_FIELDS", "title,body")
+    p = write(tmp_path, '[request]\nurl = "https://${ASYNCRAWL_T_HOST}/n/{id}"\n'
+                        '[request.params]\nfields = "${ASYNCRAWL_T_FIELDS}"\n')
+    cfg = Config.load(p)
+    assert cfg.url == "https://api.internal.example/n/{id}"
+    assert cfg.params["fields"] == "title,body"
+    assert cfg.redact("title,body") == "***"
+
+
+def test_unset_env_var_names_key_and_var(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCRAWL_T_UNSET", raising=False)
+    p = write(tmp_path,
+              f'[request]\nurl = "{URL}"\n[request.headers]\nX-Api-Key = "${{ASYNCRAWL_T_UNSET}}"\n')
+    with pytest.raises(ConfigError) as e:
+        Config.load(p)
+    assert e.value.key == "request.headers.X-Api-Key"
+    assert "ASYNCRAWL_T_UNSET" in str(e.value)
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("headers", "params"),
+    [
+        ({"Authorization": "Bearer tok-123456"}, {}),
+        ({"authorization": "Bearer tok-123456"}, {}),
+        ({"X-Api-Key": "tok-123456"}, {}),
+        ({"Api-Key": "tok-123456"}, {}),
+        ({"Cookie": "session=tok-123456"}, {}),
+        ({}, {"key": "tok-123456"}),
+        ({}, {"token": "tok-123456"}),
+        ({}, {"api_key": "tok-123456"}),
+        ({}, {"access_token": "tok-123456"}),
+    ],
+)
+def test_auth_like_headers_and_params_are_secret(headers: dict[str, str], params: dict[str, str]) -> None:
+    cfg = Config(url=URL, headers=headers, params=params)
+    (value,) = {**headers, **params}.values()
+    assert value in cfg.secrets
+    assert "tok-123456" not in cfg.redact(f"GET {URL}?x={value} headers={headers}")
+    assert "tok-123456" not in repr(cfg)
+
+
+def test_numeric_auth_values_are_secret(tmp_path: Path) -> None:
+    cfg = load(tmp_path, "[request.headers]\nX-Api-Key = 123456789\n[request.params]\ntoken = 987654\n")
+    assert {"123456789", "987654"} <= cfg.secrets
+    assert "123456789" not in repr(cfg) and "987654" not in repr(cfg)
+
+
+def test_ordinary_headers_and_params_are_not_secret() -> None:
+    cfg = Config(url=URL, headers={"Accept": "application/json"}, params={"fields": "title"})
+    assert cfg.secrets == frozenset()
+    assert cfg.redact("application/json title") == "application/json title"
+
+
+# -- numbers -------------------------------------------------------------------------------------
+
+
+def test_toml_int_accepted_for_float(tmp_path: Path) -> None:
+    cfg = load(tmp_path, "[limits]\nrate = 5\n[retry]\nbackoff_max = 30\n")
+    assert cfg.rate == 5.0
+    assert cfg.backoff_max == 30.0
+    assert cfg.burst == 5  # derived from rate
+
+
+def test_whole_float_accepted_for_int(tmp_path: Path) -> None:
+    cfg = load(tmp_path, "[limits]\nconcurrency = 8.0\nburst = 3.0\n[retry]\nmax_tries = 2.0\n")
+    assert cfg.concurrency == 8 and type(cfg.concurrency) is int
+    assert cfg.burst == 3 and type(cfg.burst) is int
+    assert cfg.max_tries == 2 and type(cfg.max_tries) is int
+
+
+# -- errors name the key -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "key"),
+    [
+        ("[limits]\nrate = \"fast\"\n", "limits.rate"),
+        ("[limits]\nrate = -1\n", "limits.rate"),
+        ("[limits]\nrate = 0\n", "limits.rate"),
+        ("[limits]\nrate = nan\n", "limits.rate"),
+        ("[limits]\nrate = inf\n", "limits.rate"),
+        ("[limits]\nrate = true\n", "limits.rate"),
+        ("[limits]\nconcurrency = 0\n", "limits.concurrency"),
+        ("[limits]\nconcurrency = 2.5\n", "limits.concurrency"),
+        ("[limits]\nconcurrency = \"8\"\n", "limits.concurrency"),
+        ("[limits]\nmax_requests = 0\n", "limits.max_requests"),
+        ("[request.timeout]\nx = 1\n", "request.timeout"),
+        ("[retry]\njitter = \"some\"\n", "retry.jitter"),
+        ("[retry]\nretryable = [429, 99]\n", "retry.retryable"),
+        ("[retry]\nretryable = 429\n", "retry.retryable"),
+        ("[retry]\nretryable = [[429]]\n", "retry.retryable"),
+        ("[retry]\nskip = \"404\"\n", "retry.skip"),
+        ("[retry]\nfatal = [true]\n", "retry.fatal"),
+        ("[retry]\nbackoff_base = -1\n", "retry.backoff_base"),
+        ("[response]\nsuccess_values = 0\n", "response.success_values"),
+        ("[passes]\nsecond_pass = \"yes\"\n", "passes.second_pass"),
+        ("[billing]\nmax_spend = 50\n", "billing.max_spend"),
+        ("[billing]\nprice_per_call = -0.1\n", "billing.price_per_call"),
+        ("[request.headers]\nX-A = \"a\\nb\"\n", "request.headers"),
+        ("[request.headers]\nX-A = [\"a\"]\n", "request.headers"),
+        ("[request.params]\ntoken = [\"a\"]\n", "request.params"),
+    ],
+)
+def test_invalid_value_names_key(tmp_path: Path, body: str, key: str) -> None:
+    p = write(tmp_path, f'[request]\nurl = "{URL}"\n{body}')
+    with pytest.raises(ConfigError) as e:
+        Config.load(p)
+    assert key in str(e.value)
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'[request]\nurl = "{URL}"\nmethod = 5\n',
+        f'[request]\nurl = "{URL}"\nmethod = "DELETE"\n',
+        f'[request]\nurl = "{URL}"\nheaders = "X-Api-Key: k"\n',
+        f'[request]\nurl = "{URL}"\nparams = ["a", "b"]\n',
+        f'[request]\nurl = "{URL}"\nfollow_redirects = "always"\n',
+    ],
+)
+def test_wrong_type_in_request_names_key(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Config.load(write(tmp_path, text))
+    assert "request." in str(e.value)
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, "[limitz]\nrate = 5\n")
+    assert "[limitz]" in str(e.value)
+    assert "limits" in str(e.value)  # the known sections are listed
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, "[limits]\nrates = 5\n")
+    assert e.value.key == "limits.rates"
+    assert "rate" in str(e.value).split("limits.rates", 1)[1]  # the known keys are listed
+
+
+def test_section_that_is_not_a_table(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\[limits\]"):
+        Config.load(write(tmp_path, f'limits = 5\n[request]\nurl = "{URL}"\n'))
+
+
+def test_missing_url(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"request\.url"):
+        Config.load(write(tmp_path, "[limits]\nrate = 5\n"))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://api.example.com/v1/notes",  # no {id}
+        "ftp://api.example.com/{id}",
+        "file:///etc/{id}",
+        "api.example.com/{id}",
+        "https://{id}.example.com/x",
+        "https://api.example.com{id}/x",
+        "https://user:{id}@api.example.com/x",
+        "https:///{id}",
+        "https://api.example.com/{id}#frag",
+        "https://api.example.com/{id}/{other}",
+        "https://[::1/{id}",
+    ],
+)
+def test_bad_url_template(url: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Config(url=url)
+    assert e.value.key == "request.url"
+
+
+def test_id_may_be_only_in_a_param() -> None:
+    cfg = Config(url="https://api.example.com/notes", params={"id": "{id}"})
+    assert cfg.url == "https://api.example.com/notes"
+
+
+def test_max_spend_with_price_gives_budget() -> None:
+    cfg = Config(url=URL, price_per_call=0.001, max_spend=5, max_requests=10_000)
+    assert cfg.request_budget == 5000
+
+
+def test_invalid_toml_names_file(tmp_path: Path) -> None:
+    p = write(tmp_path, '[request]\nurl = "unterminated\n')
+    with pytest.raises(ConfigError) as e:
+        Config.load(p)
+    assert str(p) in str(e.value)
+    assert "TOML" in str(e.value)
+
+
+def test_missing_file_names_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found") as e:
+        Config.load(tmp_path / "nope.toml")
+    assert str(tmp_path / "nope.toml") in str(e.value)
+
+
+def test_overrides_win_and_are_validated(tmp_path: Path) -> None:
+    p = write(tmp_path, f'[request]\nurl = "{URL}"\n[limits]\nrate = 5\n')
+    assert Config.load(p, rate=7.0, concurrency=None).rate == 7.0
+    with pytest.raises(ConfigError, match=r"limits\.rate"):
+        Config.load(p, rate=-7.0)
+
+
+# -- fuzz ----------------------------------------------------------------------------------------
+
+_KEYS: dict[str, list[str]] = defaultdict(list)
+for _dotted in TOML_KEYS:
+    _section, _key = _dotted.split(".", 1)
+    _KEYS[_section].append(_key)
+
+_scalars = (
+    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats() | st.text(max_size=12)
+    | st.sampled_from([URL, "https://h.example/q?i={id}", "full", "GET", "any", 404, 8.0, 0, -1,
+                       "${HOME}", "${ASYNCRAWL_T_SURELY_UNSET}", "{id}"])
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@st.composite
+def _docs(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid base (so validation gets deep) with a few known keys set to arbitrary values."""
+    doc: dict[str, Any] = {"request": {"url": draw(st.sampled_from([URL, "http://127.0.0.1/{id}"]))}}
+    for dotted in draw(st.lists(st.sampled_from(sorted(TOML_KEYS)), max_size=4)):
+        section, key = dotted.split(".", 1)
+        doc.setdefault(section, {})[key] = draw(_values)
+    if draw(st.booleans()):  # sometimes: a whole section (or the document shape) is garbage
+        doc[draw(st.sampled_from(sorted(_KEYS)))] = draw(_values)
+    return doc
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_docs())
+def test_from_dict_raises_only_config_error(doc: dict[str, Any]) -> None:
+    try:
+        cfg = Config.from_dict(doc)
+    except ConfigError as e:
+        assert e.key is None or e.key.split(".")[0].strip("[]") in _KEYS
+    else:
+        assert isinstance(cfg, Config)
+        assert cfg.rate > 0 and cfg.concurrency > 0 and "{id}" not in cfg.url.split("/")[2]

@@ -1,0 +1,520 @@
+"""fetch.py against real aiohttp.web servers on loopback: ID encoding as seen by a server, the
+outcome class of every kind of answer, body limits, timeouts, refused connections and redirects
+(including that credentials never cross to another origin)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import random
+import socket
+import time
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from asyncrawl import Config
+from asyncrawl.config import MAX_ID_LENGTH
+from asyncrawl.fetch import Attempt, Fetcher, Outcome, RequestBuilder, encode_id
+from asyncrawl.source import _problem
+
+KEY = "k-secret"
+HEADERS = {"X-Api-Key": KEY, "Accept": "application/json"}
+LIMIT = 100_000  # max_body_bytes in these tests
+
+
+@dataclass
+class Server:
+    base: str
+    hits: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (raw_path, headers)
+    sent: dict[str, int] = field(default_factory=dict)  # streamed bytes per handler name
+    done: dict[str, asyncio.Event] = field(default_factory=dict)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def netloc(self) -> str:
+        return self.base.removeprefix("http://")
+
+
+async def serve(host: str, routes: Callable[[Server], list[web.RouteDef]]) -> AsyncIterator[Server]:
+    app = web.Application()
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    server = Server("")
+
+    @web.middleware
+    async def record(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        server.hits.append((request.raw_path, dict(request.headers)))
+        return await handler(request)
+
+    app.middlewares.append(record)
+    app.add_routes(routes(server))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, 0)
+        await site.start()
+    except OSError as e:  # pragma: no cover - depends on the host's loopback setup
+        await runner.cleanup()
+        pytest.skip(f"cannot listen on {host}: {e}")
+    server.base = f"http://{host}:{runner.addresses[0][1]}"
+    try:
+        yield server
+    finally:
+        server.release.set()
+        await runner.cleanup()
+
+
+async def echo(request: web.Request) -> web.Response:
+    return web.json_response({"raw_path": request.raw_path, "id": request.match_info["id"],
+                              "query": dict(request.query), "headers": dict(request.headers)})
+
+
+def json_of_size(n: int) -> bytes:
+    """A JSON document of exactly ``n`` bytes."""
+    return b'"' + b"x" * (n - 2) + b'"'
+
+
+def main_routes(server: Server) -> list[web.RouteDef]:
+    async def status(request: web.Request) -> web.Response:
+        code = int(request.match_info["id"])
+        headers = {}
+        if "ra" in request.query:
+            headers["Retry-After"] = request.query["ra"]
+        return web.Response(status=code, body=b'{"error": "x"}', content_type="application/json",
+                            headers=headers)
+
+    async def named(request: web.Request) -> web.StreamResponse:
+        name = request.match_info["id"]
+        if name == "ok":
+            return web.json_response({"hello": "wörld", "n": [1, 2]})
+        if name == "text":
+            return web.Response(text="<html>not json</html>", content_type="text/html")
+        if name == "empty":
+            return web.Response(status=204)
+        if name == "at-limit":
+            return web.Response(body=json_of_size(LIMIT), content_type="application/json")
+        if name == "over-limit":
+            return web.Response(body=json_of_size(LIMIT + 1), content_type="application/json")
+        if name == "gzip-small":
+            return web.Response(body=gzip.compress(b'{"small": true}'), content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        if name == "ra-date":
+            when = format_datetime(datetime.now(UTC) + timedelta(seconds=120), usegmt=True)
+            return web.Response(status=503, headers={"Retry-After": when})
+        raise web.HTTPNotFound()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        """A 64 MiB body, streamed (gzip-encoded: random bytes, or a bomb of spaces that compresses
+        1000:1); records how much of it could be sent before the client hung up."""
+        name = request.match_info["id"]
+        total = 64 << 20
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        gz = name.startswith("gzip")
+        if gz:
+            resp.headers["Content-Encoding"] = "gzip"
+        if name.endswith("-cl") and not gz:
+            resp.content_length = total
+        server.done[name] = done = asyncio.Event()
+        sent = 0
+        comp = zlib.compressobj(1, wbits=31)
+        chunk = random.randbytes(256 << 10) if "random" in name else b" " * (256 << 10)
+        try:
+            await resp.prepare(request)
+            while sent < total:
+                await resp.write(comp.compress(chunk) if gz else chunk)
+                sent += len(chunk)
+            if gz:
+                await resp.write(comp.flush())
+            await resp.write_eof()
+        except OSError:  # the client hung up (ConnectionResetError and friends)
+            pass
+        finally:
+            server.sent[name] = sent
+            done.set()
+        return resp
+
+    async def gzip_bomb_with_length(request: web.Request) -> web.Response:
+        body = gzip.compress(b" " * (32 << 20), compresslevel=9)
+        assert len(body) < LIMIT  # the compressed size alone is under the limit
+        return web.Response(body=body, content_type="application/json",
+                            headers={"Content-Encoding": "gzip"})
+
+    async def slow(request: web.Request) -> web.Response:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.release.wait(), 10)
+        return web.json_response({"late": True})
+
+    async def redirect(request: web.Request) -> web.Response:
+        code = int(request.query.get("code", "302"))
+        return web.Response(status=code, headers={"Location": request.query["to"]})
+
+    async def loop(request: web.Request) -> web.Response:
+        return web.Response(status=302, headers={"Location": "/loop/" + request.match_info["id"]})
+
+    return [
+        web.route("*", "/items/{id}", echo),
+        web.route("*", "/any/{id:.*}", echo),  # aiohttp's plain {id} cannot match "{" or "}"
+        web.route("*", "/v1/items/{id}/detail", echo),
+        web.get("/status/{id}", status),
+        web.get("/r/{id}", named),
+        web.get("/stream/{id}", stream),
+        web.get("/bomb/{id}", gzip_bomb_with_length),
+        web.get("/slow/{id}", slow),
+        web.get("/redirect/{id}", redirect),
+        web.get("/loop/{id}", loop),
+    ]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    async for s in serve("127.0.0.1", main_routes):
+        yield s
+
+
+@pytest.fixture
+async def other() -> AsyncIterator[Server]:
+    """Another origin: 127.0.0.2 (the whole of 127/8 is loopback on Linux)."""
+    async for s in serve("127.0.0.2", lambda _: [web.route("*", "/items/{id}", echo)]):
+        yield s
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def config(url: str, **kw: Any) -> Config:
+    kw.setdefault("headers", HEADERS)
+    return Config(url=url, timeout=kw.pop("timeout", 5.0), max_body_bytes=LIMIT, **kw)
+
+
+async def attempt(session: aiohttp.ClientSession, url: str, item: str, **kw: Any) -> Attempt:
+    return await Fetcher(session, config(url, **kw)).attempt(item)
+
+
+# -- encoding IDs --------------------------------------------------------------------------------
+
+TRICKY_IDS = [
+    "../admin", "a/b", "x?y=1", "%2e%2e", "%2F", ".", "..", "...", "#f", "sp ace", "ünï", "a+b",
+    "100%", "a;b=c", "a&b", "\\..\\x", "//evil.example", "@evil", "~user", "a\u2028b",
+    "".join(["aé/?#%.", "☃"][i % 2] for i in range(200))[:1000],
+    "x" * 1000,
+]
+
+
+@pytest.mark.parametrize("item", TRICKY_IDS, ids=lambda s: s[:20])
+async def test_id_is_one_path_segment_and_one_query_value(
+    server: Server, session: aiohttp.ClientSession, item: str
+) -> None:
+    a = await attempt(session, server.base + "/items/{id}", item, params={"q": "id:{id}"})
+    assert a.outcome is Outcome.OK, a
+    path, _, query = a.data["raw_path"].partition("?")
+    prefix, segment = path.rsplit("/", 1)
+    assert prefix == "/items"  # nothing added to or removed from the path
+    assert unquote(segment) == item
+    assert a.data["id"] == item  # the server's router decoded it back
+    assert a.data["query"] == {"q": "id:" + item}
+    assert query == "q=id%3A" + encode_id(item)
+    assert len(server.hits) == 1
+
+
+async def test_template_path_and_query_are_kept(server: Server, session: aiohttp.ClientSession) -> None:
+    item = "../a b?c#d"
+    url = server.base + "/v1/items/{id}/detail?fields=a%2Cb&x=1"
+    a = await attempt(session, url, item, params={"q": "{id}", "filter": "a&b=c"})
+    assert a.outcome is Outcome.OK, a
+    enc = encode_id(item)
+    assert a.data["raw_path"] == f"/v1/items/{enc}/detail?fields=a%2Cb&x=1&q={enc}&filter=a%26b%3Dc"
+    assert a.data["id"] == item
+    assert a.data["query"] == {"fields": "a,b", "x": "1", "q": item, "filter": "a&b=c"}
+
+
+async def test_id_only_in_query(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/items/fixed", "a/b&c=d", params={"id": "{id}"})
+    assert a.outcome is Outcome.OK, a
+    assert a.data["raw_path"] == "/items/fixed?id=a%2Fb%26c%3Dd"
+    assert a.data["query"] == {"id": "a/b&c=d"}
+
+
+_valid_ids = st.text(min_size=1, max_size=MAX_ID_LENGTH).filter(lambda s: _problem(s) is None)
+
+
+@given(_valid_ids)
+def test_encode_id_cannot_escape_its_segment(item: str) -> None:
+    enc = encode_id(item)
+    assert unquote(enc, errors="strict") == item
+    assert enc not in ("", ".", "..")
+    assert not set(enc) & set("/?#\\ &=+;@:\"<>{}|^`")
+    assert enc.isascii() and enc.isprintable()
+
+
+@given(_valid_ids)
+def test_request_builder_keeps_host_and_path(item: str) -> None:
+    build = RequestBuilder(Config(url="https://api.example.com/v1/n/{id}/x", params={"k": "{id}"}))
+    req = build(item)
+    assert req.url.host == "api.example.com"
+    assert req.url.raw_path == f"/v1/n/{encode_id(item)}/x"
+    assert req.url.query == {"k": item}
+    assert req.method == "GET"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(item=_valid_ids)
+@example(item="{id}")
+@example(item="}{/")
+async def test_server_decodes_any_id(server: Server, session: aiohttp.ClientSession, item: str) -> None:
+    a = await attempt(session, server.base + "/any/{id}", item)
+    assert a.outcome is Outcome.OK, a
+    prefix, segment = a.data["raw_path"].rsplit("/", 1)
+    assert prefix == "/any"
+    assert unquote(segment) == item
+    assert a.data["id"] == item
+
+
+# -- classification ------------------------------------------------------------------------------
+
+
+async def test_200_json_is_ok(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "ok")
+    assert a == Attempt(Outcome.OK, 200, data={"hello": "wörld", "n": [1, 2]}, billable=True)
+    assert server.hits[0][1]["X-Api-Key"] == KEY
+    assert server.hits[0][1]["Accept"] == "application/json"
+
+
+async def test_200_not_json_is_retry(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "text")
+    assert a.outcome is Outcome.RETRY
+    assert a.status == 200 and a.billable
+    assert a.error is not None and "JSON" in a.error
+
+
+async def test_204_is_retry(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "empty")
+    assert a.outcome is Outcome.RETRY
+    assert a.status == 204
+
+
+@pytest.mark.parametrize(
+    ("code", "outcome"),
+    [
+        (400, Outcome.SKIP), (404, Outcome.SKIP), (410, Outcome.SKIP), (418, Outcome.SKIP),
+        (422, Outcome.SKIP), (401, Outcome.FATAL), (402, Outcome.FATAL), (408, Outcome.RETRY),
+        (429, Outcome.RETRY), (500, Outcome.RETRY), (502, Outcome.RETRY), (503, Outcome.RETRY),
+        (504, Outcome.RETRY), (599, Outcome.RETRY),
+    ],
+)
+async def test_status_classes(server: Server, session: aiohttp.ClientSession, code: int,
+                              outcome: Outcome) -> None:
+    a = await attempt(session, server.base + "/status/{id}", str(code))
+    assert a.outcome is outcome
+    assert a.status == code
+    assert a.error == f"HTTP {code}"
+    assert a.data is None
+    assert not a.billable
+
+
+async def test_configured_status_sets_win(server: Server, session: aiohttp.ClientSession) -> None:
+    url = server.base + "/status/{id}"
+    kw: dict[str, Any] = dict(retryable=[404], skip=[503], fatal=[418])
+    assert (await attempt(session, url, "404", **kw)).outcome is Outcome.RETRY
+    assert (await attempt(session, url, "503", **kw)).outcome is Outcome.SKIP
+    assert (await attempt(session, url, "418", **kw)).outcome is Outcome.FATAL
+    assert (await attempt(session, url, "401", **kw)).outcome is Outcome.SKIP  # no longer fatal
+
+
+@pytest.mark.parametrize(("ra", "expected"), [("7", 7.0), ("0", 0.0), ("2.5", 2.5), ("soon", None)])
+async def test_429_retry_after_seconds(server: Server, session: aiohttp.ClientSession, ra: str,
+                                       expected: float | None) -> None:
+    a = await attempt(session, server.base + "/status/{id}", "429", params={"ra": ra})
+    assert a.outcome is Outcome.RETRY
+    assert a.status == 429
+    assert a.retry_after == expected
+
+
+async def test_503_retry_after_date(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "ra-date")
+    assert a.outcome is Outcome.RETRY
+    assert a.retry_after is not None and 100.0 < a.retry_after <= 121.0
+
+
+# -- body limits ---------------------------------------------------------------------------------
+
+
+async def test_body_at_limit_is_read(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "at-limit")
+    assert a.outcome is Outcome.OK
+    assert len(a.data) == LIMIT - 2
+
+
+async def test_body_over_limit_with_length(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "over-limit")
+    assert a.outcome is Outcome.SKIP
+    assert a.status == 200
+    assert a.error is not None and str(LIMIT) in a.error
+
+
+@pytest.mark.parametrize("name", ["plain-cl", "plain-chunked", "gzip-random-chunked"])
+async def test_huge_body_is_cut_off(server: Server, session: aiohttp.ClientSession, name: str) -> None:
+    a = await attempt(session, server.base + "/stream/{id}", name)
+    assert a.outcome is Outcome.SKIP, a
+    assert a.error is not None and str(LIMIT) in a.error
+    await asyncio.wait_for(server.done[name].wait(), 10)
+    assert server.sent[name] < 64 << 20  # the client hung up long before the end
+
+
+@pytest.mark.parametrize("path", ["/bomb/with-length", "/stream/gzip-bomb-chunked"])
+async def test_gzip_bomb_is_cut_off(server: Server, session: aiohttp.ClientSession, path: str) -> None:
+    """Bodies that are small on the wire but decompress beyond the limit."""
+    a = await attempt(session, server.base + path.rsplit("/", 1)[0] + "/{id}", path.rsplit("/", 1)[1])
+    assert a.outcome is Outcome.SKIP, a
+    assert a.error is not None and str(LIMIT) in a.error
+
+
+async def test_small_gzip_body_is_decoded(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/r/{id}", "gzip-small")
+    assert a.outcome is Outcome.OK
+    assert a.data == {"small": True}
+
+
+# -- network failures ----------------------------------------------------------------------------
+
+
+async def test_timeout_is_retry(server: Server, session: aiohttp.ClientSession) -> None:
+    start = time.monotonic()
+    a = await attempt(session, server.base + "/slow/{id}", "x", timeout=0.3)
+    assert time.monotonic() - start >= 0.25
+    assert a.outcome is Outcome.RETRY
+    assert a.status is None
+    assert a.error == "timeout"
+
+
+async def test_refused_connection_is_retry(session: aiohttp.ClientSession) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = await attempt(session, f"http://127.0.0.1:{port}/items/{{id}}", "x")
+    assert a.outcome is Outcome.RETRY
+    assert a.status is None
+    assert a.error is not None and "connect" in a.error.lower()
+    assert KEY not in a.error
+
+
+# -- redirects -----------------------------------------------------------------------------------
+
+
+def redirect_url(server: Server, to: str, code: int = 302) -> str:
+    return f"{server.base}/redirect/{{id}}?code={code}&to={quote(to, safe='')}"
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+async def test_same_origin_redirect_is_followed(server: Server, session: aiohttp.ClientSession,
+                                                code: int) -> None:
+    a = await attempt(session, redirect_url(server, "/r/ok", code), "x")
+    assert a.outcome is Outcome.OK
+    assert a.data == {"hello": "wörld", "n": [1, 2]}
+    assert [h[0].split("?")[0] for h in server.hits] == ["/redirect/x", "/r/ok"]
+    assert all(h[1].get("X-Api-Key") == KEY for h in server.hits)
+
+
+async def test_absolute_same_origin_redirect_is_followed(server: Server,
+                                                         session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, redirect_url(server, server.base + "/items/there"), "x")
+    assert a.outcome is Outcome.OK
+    assert a.data["id"] == "there"
+    assert a.data["headers"]["X-Api-Key"] == KEY
+
+
+async def test_redirect_not_followed_when_none(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, redirect_url(server, "/r/ok"), "x", follow_redirects="none")
+    assert a.outcome is Outcome.SKIP
+    assert a.status == 302
+    assert a.error is not None and "/r/ok" in a.error
+    assert len(server.hits) == 1
+
+
+async def test_cross_origin_redirect_is_not_followed(server: Server, other: Server,
+                                                     session: aiohttp.ClientSession) -> None:
+    target = other.base + "/items/stolen"
+    a = await attempt(session, redirect_url(server, target), "x")
+    assert a.outcome is Outcome.SKIP
+    assert a.status == 302
+    assert a.error is not None and target in a.error
+    assert other.hits == []
+
+
+async def test_other_port_is_another_origin(server: Server, session: aiohttp.ClientSession) -> None:
+    async for third in serve("127.0.0.1", lambda _: [web.route("*", "/items/{id}", echo)]):
+        a = await attempt(session, redirect_url(server, third.base + "/items/y"), "x")
+        assert a.outcome is Outcome.SKIP and a.status == 302
+        assert third.hits == []
+
+
+async def test_cross_origin_redirect_with_any_drops_credentials(
+    server: Server, other: Server, session: aiohttp.ClientSession
+) -> None:
+    headers = {**HEADERS, "Authorization": "Bearer tok-abcdef", "X-Client": "asyncrawl-tests"}
+    a = await attempt(session, redirect_url(server, other.base + "/items/elsewhere"), "x",
+                      follow_redirects="any", headers=headers)
+    assert a.outcome is Outcome.OK
+    assert a.data["id"] == "elsewhere"
+    assert len(other.hits) == 1
+    sent = other.hits[0][1]
+    assert "X-Api-Key" not in sent and "Authorization" not in sent
+    assert KEY not in str(sent) and "tok-abcdef" not in str(sent)
+    assert sent.get("X-Client") == "asyncrawl-tests"  # ordinary headers still go
+    assert server.hits[0][1]["X-Api-Key"] == KEY  # the first hop did carry it
+
+
+async def test_cross_origin_redirect_drops_env_secrets_in_any_header(
+    server: Server, other: Server, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCRAWL_T_SIG", "sig-0123456789")
+    cfg = Config.from_dict({
+        "request": {"url": redirect_url(server, other.base + "/items/elsewhere"),
+                    "follow_redirects": "any",
+                    "headers": {"X-Signature": "v1 ${ASYNCRAWL_T_SIG}"}},
+    })
+    a = await Fetcher(session, cfg).attempt("x")
+    assert a.outcome is Outcome.OK
+    assert server.hits[0][1]["X-Signature"] == "v1 sig-0123456789"
+    assert "sig-0123456789" not in str(other.hits[0][1])
+
+
+async def test_redirect_loop_stops(server: Server, session: aiohttp.ClientSession) -> None:
+    a = await attempt(session, server.base + "/loop/{id}", "x", max_redirects=2)
+    assert a.outcome is Outcome.SKIP
+    assert a.status == 302
+    assert a.error is not None and "too many redirects" in a.error
+    assert len(server.hits) == 3
+
+
+@pytest.mark.parametrize("location", ["http://[::1", "mailto:someone@example.com", "http://h:99999/x"])
+async def test_redirect_to_invalid_location_is_skip(server: Server, session: aiohttp.ClientSession,
+                                                    location: str) -> None:
+    a = await attempt(session, redirect_url(server, location), "x", follow_redirects="any")
+    assert a.outcome is Outcome.SKIP
+    assert a.status == 302
+    assert a.error is not None and location in a.error
+
+
+async def test_numeric_header_values_are_sent_as_text(server: Server, session: aiohttp.ClientSession,
+                                                      tmp_path: Path) -> None:
+    p = tmp_path / "config.toml"
+    p.write_text(f'[request]\nurl = "{server.base}/items/{{id}}"\n'
+                 "[request.headers]\nX-Version = 2\nX-Ratio = 1.5\n", encoding="utf-8")
+    a = await Fetcher(session, Config.load(p)).attempt("x")
+    assert a.outcome is Outcome.OK, a
+    assert a.data["headers"]["X-Version"] == "2"
+    assert a.data["headers"]["X-Ratio"] == "1.5"
