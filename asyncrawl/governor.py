@@ -31,19 +31,26 @@ class RateController:
     plain AIMD saws between half the quota and the quota (75% average use) and every overshoot
     costs a job-wide ``Retry-After`` pause:
 
-    * **Decrease to the measured quota.** On a rate-limit answer to a request sent *after* the
-      last decrease (older answers describe the old rate), the server's quota is estimated as
-      ``q = sent_rate × accepted_share`` over the last second, and the rate becomes
-      ``min(0.95 × rate, 0.95 × q)`` (never below 10% of the rate, against a noisy window).
+    * **Decrease to the measured quota.** The first rate-limit answer to a request sent after
+      the last decrease opens an *episode*; it is judged when the server's pause is over (at
+      least 0.25 s later), once the answers to what was sent meanwhile are in. If the job had
+      been sending steadily for a second before it, the quota is ``q = send rate × accepted
+      share`` (or the answers accepted in the second before the episode, if more), a sharp
+      estimate; otherwise (a burst at the start, or right after a pause, when
+      a windowed quota lets through more than it sustains) only the accepted answers per
+      wall-clock second are trusted, a low estimate not kept as the ceiling. The rate becomes
+      ``min(0.95 × rate, 0.97 × q)`` (``0.95 × q`` for a low estimate), at least a tenth of
+      the rate.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
-      the last estimated quota, or above 105% of it (the quota was raised), and by only 0.25%
+      the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
 
     Never above ``max_rate``; never below ``min_rate``.
     """
 
-    __slots__ = ("_last_cut", "_last_raise", "_responses", "_sent", "ceiling", "cuts",
-                 "max_rate", "min_rate", "rate")
+    __slots__ = ("_accepted", "_decide_at", "_last_cut", "_last_raise", "_limited", "_pause_end",
+                 "_paused", "_recent", "_recent_at_episode", "_sent", "_since", "_steady",
+                 "ceiling", "cuts", "max_rate", "min_rate", "rate")
 
     def __init__(self, *, max_rate: float, min_rate: float | None = None, now: float = 0.0) -> None:
         self.max_rate = max_rate
@@ -51,13 +58,20 @@ class RateController:
         self.rate = max_rate
         self.ceiling: float | None = None
         self.cuts = 0
-        self._last_cut = -math.inf
+        self._last_cut = -math.inf  # answers to requests sent before this describe an old rate
         self._last_raise = now
-        self._sent: deque[float] = deque()
-        self._responses: deque[tuple[float, bool]] = deque()
+        self._decide_at: float | None = None  # an open episode is judged then
+        self._since: float | None = None  # first send since the last decrease
+        self._sent = self._accepted = self._limited = 0
+        self._paused = 0.0  # seconds paused since then
+        self._pause_end = -math.inf
+        self._steady = False  # had the job sent steadily for a second before the episode?
+        self._recent: deque[float] = deque()  # accepted answers of the last second
+        self._recent_at_episode = 0
 
     def __repr__(self) -> str:
-        return f"<RateController rate={self.rate:.2f}/{self.max_rate:g} ceiling={self.ceiling}>"
+        return (f"<RateController rate={self.rate:.2f}/{self.max_rate:g} ceiling={self.ceiling} "
+                f"cuts={self.cuts}>")
 
     @property
     def limited(self) -> bool:
@@ -65,38 +79,69 @@ class RateController:
         return self.rate < self.max_rate
 
     def on_send(self, now: float) -> None:
-        self._sent.append(now)
-        while self._sent and self._sent[0] < now - 1.0:
-            self._sent.popleft()
+        self.tick(now)
+        if self._since is None:
+            self._since = now
+        self._sent += 1
         self._maybe_raise(now)
+
+    def on_pause(self, start: float, end: float) -> None:
+        """The job is paused from ``start`` to ``end``: not sending, so not counted as time."""
+        self._paused += end - start
+        self._pause_end = max(self._pause_end, end)
+        if self._decide_at is not None:
+            self._decide_at = max(self._decide_at, end)
 
     def on_response(self, now: float, sent_at: float, limited: bool) -> None:
         """Record an answer; ``limited``: the server said "too many requests"."""
-        self._responses.append((now, limited))
-        while self._responses and self._responses[0][0] < now - 1.0:
-            self._responses.popleft()
-        if limited and sent_at >= self._last_cut:
-            self._cut(now)
-        elif not limited:
+        if sent_at >= self._last_cut:
+            if limited:
+                self._limited += 1
+                if self._decide_at is None:
+                    self._decide_at = now + 0.25
+                    since = self._since if self._since is not None else now
+                    self._steady = now - max(since, self._pause_end) >= 1.0
+                    while self._recent and self._recent[0] < now - 1.0:
+                        self._recent.popleft()
+                    self._recent_at_episode = len(self._recent)
+            else:
+                self._accepted += 1
+        if not limited:
+            self._recent.append(now)
+            while self._recent[0] < now - 1.0:
+                self._recent.popleft()
+        self.tick(now)
+        if not limited:
             self._maybe_raise(now)
 
+    def tick(self, now: float) -> None:
+        """Judge an open episode once its time has come."""
+        if self._decide_at is not None and now >= self._decide_at:
+            self._cut(now)
+
     def _cut(self, now: float) -> None:
-        while self._sent and self._sent[0] < now - 1.0:
-            self._sent.popleft()
-        # Requests per second over the last second, or over less at the very start of a run.
-        span = max(now - self._sent[0], 0.05) if len(self._sent) > 1 else 1.0
-        sent_rate = min(self.rate, max(len(self._sent) / min(span, 1.0), 1.0))
-        total = len(self._responses)
-        accepted = sum(1 for _, lim in self._responses if not lim)
-        quota = sent_rate * accepted / total if total else sent_rate / 2
-        self.ceiling = max(quota, self.min_rate)
-        new = min(0.95 * self.rate, 0.95 * quota)
-        self.rate = max(self.min_rate, 0.1 * self.rate, new)
+        answered = self._accepted + self._limited
+        wall = max(now - (self._since if self._since is not None else now), 0.05)
+        if self._steady:
+            send_rate = min(self.rate, self._sent / max(wall - self._paused, 0.05))
+            quota = send_rate * self._accepted / answered if answered else send_rate / 2
+            # what the server accepted in the second before it said no: a quota, if windowed
+            quota = max(quota, min(float(self._recent_at_episode), self.rate))
+            self.ceiling = max(quota, self.min_rate)
+            target = 0.97 * quota
+        else:
+            quota = self._accepted / wall
+            self.ceiling = None
+            target = 0.95 * quota
+        self.rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
         self._last_cut = self._last_raise = now
+        self._decide_at = self._since = None
+        self._sent = self._accepted = self._limited = 0
+        self._paused = 0.0
         self.cuts += 1
 
     def _maybe_raise(self, now: float) -> None:
-        if self.rate >= self.max_rate:
+        if self.rate >= self.max_rate or self._decide_at is not None:
             self._last_raise = now
             return
         elapsed = now - self._last_raise
@@ -104,7 +149,7 @@ class RateController:
             return
         c = self.ceiling
         near = c is not None and 0.9 * c <= self.rate <= 1.05 * c
-        growth = 0.0025 if near else 0.05
+        growth = 0.001 if near else 0.05
         self.rate = min(self.max_rate, self.rate * (1 + growth) ** elapsed)
         self._last_raise = now
 
@@ -112,19 +157,22 @@ class RateController:
 class Breaker:
     """Stops the job during an upstream outage, and probes until the upstream is back.
 
-    Opens when, within ``window`` seconds, at least ``min_failures`` retryable failures (5xx,
-    timeouts, connection errors: not 429s) from at least ``min_ids`` distinct IDs make up at
-    least ``ratio`` of the answers. While open, ``gate`` allows one probe at a time, the first
-    after ``probe_initial`` seconds, then at doubling intervals up to ``probe_max``. The first
-    probe that is not a retryable failure closes it.
+    Opens when, among the last ``recent`` answers (no older than ``window`` seconds), at least
+    ``min_failures`` are retryable failures (5xx, timeouts, connection errors: not 429s) from at
+    least ``min_ids`` distinct IDs, and they make up at least ``ratio`` of those answers.
+    While open, ``gate`` allows one probe at a time, the first after ``probe_initial`` seconds,
+    then at doubling intervals up to ``probe_max``. The first probe that is not a retryable
+    failure closes it.
     """
 
     __slots__ = ("_events", "_interval", "_next_probe", "_probe_out", "min_failures", "min_ids",
-                 "open", "opened", "probe_initial", "probe_max", "ratio", "window")
+                 "open", "opened", "probe_initial", "probe_max", "ratio", "recent", "window")
 
-    def __init__(self, *, window: float = 2.0, min_failures: int = 8, min_ids: int = 5,
-                 ratio: float = 0.8, probe_initial: float = 0.5, probe_max: float = 10.0) -> None:
+    def __init__(self, *, window: float = 2.0, recent: int = 10, min_failures: int = 8,
+                 min_ids: int = 5, ratio: float = 0.8, probe_initial: float = 0.5,
+                 probe_max: float = 10.0) -> None:
         self.window = window
+        self.recent = recent
         self.min_failures = min_failures
         self.min_ids = min_ids
         self.ratio = ratio
@@ -132,7 +180,7 @@ class Breaker:
         self.probe_max = probe_max
         self.open = False
         self.opened = 0
-        self._events: deque[tuple[float, str, bool]] = deque()
+        self._events: deque[tuple[float, str, bool]] = deque(maxlen=recent)
         self._interval = probe_initial
         self._next_probe = 0.0
         self._probe_out = False
@@ -141,14 +189,16 @@ class Breaker:
         state = f"open next_probe={self._next_probe:.1f}" if self.open else "closed"
         return f"<Breaker {state} opened={self.opened}>"
 
-    def gate(self, now: float) -> float | None:
-        """``None``: send normally. ``0``: send, as the probe. ``> 0``: wait that long first."""
+    def gate(self, now: float, *, take: bool = True) -> float | None:
+        """``None``: send normally. ``0``: send, as the probe (``take=False``: only look).
+        ``> 0``: wait that long first."""
         if not self.open:
             return None
         if self._probe_out:
             return self._interval
         if now >= self._next_probe:
-            self._probe_out = True
+            if take:
+                self._probe_out = True
             return 0.0
         return self._next_probe - now
 
@@ -261,22 +311,27 @@ class Governor:
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""
-        self.paused_until = max(self.paused_until, self._loop.time() + seconds)
+        now = self._loop.time()
+        until = now + seconds
+        if until > self.paused_until:
+            if self.controller is not None:
+                self.controller.on_pause(max(now, self.paused_until), until)
+            self.paused_until = until
 
     async def acquire(self) -> Ticket:
         """Wait until a request may start."""
         loop = self._loop
-        probe = False
+        breaker, c = self.breaker, self.controller
         while True:
             while (wait := self.paused_until - loop.time()) > 0:
                 await asyncio.sleep(wait)
-            if self.breaker is not None:
-                gate = self.breaker.gate(loop.time())
+            if c is not None:
+                c.tick(loop.time())
+            if breaker is not None and breaker.open:
+                gate = breaker.gate(loop.time(), take=False)
                 if gate is not None and gate > 0:
                     await asyncio.sleep(min(gate, 0.25))  # re-check: it may close meanwhile
                     continue
-                probe = gate == 0
-            c = self.controller
             if c is not None and c.limited:
                 now = loop.time()
                 slot = max(self._next_slot, now)
@@ -284,9 +339,17 @@ class Governor:
                 if slot > now:
                     await asyncio.sleep(slot - now)
             await self.limiter.acquire()
-            if self.paused_until > loop.time() and not probe:
-                continue  # a pause began while we waited: wait for it, then queue again
+            # The waits above took time: decide on what holds *now* (a pause may have begun,
+            # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()
+            if self.paused_until > now:
+                continue
+            probe = False
+            if breaker is not None:
+                gate = breaker.gate(now)
+                if gate is not None and gate > 0:
+                    continue
+                probe = gate == 0
             if c is not None:
                 c.on_send(now)
             return Ticket(now, probe)
@@ -295,10 +358,10 @@ class Governor:
                     retry_after: float | None) -> None:
         """Feed an answer back. ``limited``: a 429; ``failed``: another retryable failure."""
         now = self._loop.time()
-        if retry_after is not None and (limited or failed):
-            self.pause(retry_after)
         if self.controller is not None:
             self.controller.on_response(now, ticket.sent_at, limited)
+        if retry_after is not None and (limited or failed):
+            self.pause(retry_after)
         if self.breaker is not None and not limited:
             self.breaker.on_response(now, item_id, failed, ticket.probe)
         elif self.breaker is not None and ticket.probe:

@@ -13,7 +13,8 @@ Routes: ``GET|POST /items/{id}`` (the ID percent-encoded as one path segment; ``
 and ``GET /health``. Each item request passes these checks in order:
 
 1. auth: ``X-Api-Key: K`` or ``Authorization: Bearer K``, else 401 (skipped if ``api_key=None``);
-2. quota: beyond ``quota`` requests in the current 1-second window, 429 with ``Retry-After: 1``;
+2. outage / quota: 503 to everything during an ``outage``; beyond ``quota`` requests in the
+   current 1-second window, 429 with ``Retry-After: 1``;
 3. balance: once ``balance`` paid answers were given, 402 ``{"error": "insufficient balance"}``;
 4. the ID's :class:`Fault`. Per-ID attempt counters (``times``) count only requests that get
    this far. A 200 carrying :func:`payload_for` is billed and uses one unit of balance.
@@ -175,6 +176,8 @@ class MockAPI:
         log_path: also append every :class:`LogEntry` to this file as a JSON line, written
             unbuffered so another process can read it even after this one is killed.
         quota: a hard limit in requests per second (a fixed 1-second window); None: no limit.
+        outage: ``(start, duration)``: every authorized request answers 503 (no Retry-After)
+            from ``start`` to ``start + duration`` seconds after the first request.
     """
 
     def __init__(
@@ -186,6 +189,7 @@ class MockAPI:
         latency: float = 0.0,
         log_path: str | os.PathLike[str] | None = None,
         quota: float | None = None,
+        outage: tuple[float, float] | None = None,
     ) -> None:
         if faults is None:
             faults = no_faults
@@ -198,6 +202,8 @@ class MockAPI:
         self._latency = latency
         self._log_path = log_path
         self._quota = quota
+        self._outage = outage
+        self._first_request: float | None = None
         self._window = -1
         self._window_count = 0
         self._attempts: collections.Counter[str] = collections.Counter()
@@ -307,6 +313,13 @@ class MockAPI:
         """Pick the answer at arrival, so concurrent requests can never overdraw the balance."""
         if not authorized:
             return _error(401, "invalid or missing API key")
+        if self._outage is not None:
+            now = time.monotonic()
+            if self._first_request is None:
+                self._first_request = now
+            start, duration = self._outage
+            if start <= now - self._first_request < start + duration:
+                return _error(503, "upstream outage")
         if self._quota is not None:
             window = int(time.monotonic())
             if window != self._window:
@@ -405,6 +418,7 @@ async def _serve(args: argparse.Namespace) -> None:
         latency=args.latency,
         log_path=args.log,
         quota=args.quota,
+        outage=args.outage,
     )
     await api.start(args.host, args.port)
     try:
@@ -412,6 +426,14 @@ async def _serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await api.close()
+
+
+def _outage_arg(text: str) -> tuple[float, float]:
+    try:
+        start, duration = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected START,DURATION in seconds, e.g. 2,8") from None
+    return start, duration
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added to each answer")
     parser.add_argument("--log", default=None, help="append every request event as JSON lines")
     parser.add_argument("--quota", type=float, default=None, help="hard limit in requests/s")
+    parser.add_argument("--outage", type=_outage_arg, default=None, metavar="START,DURATION",
+                        help="answer 503 to everything from START for DURATION seconds "
+                             "(counted from the first request)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(_serve(args))

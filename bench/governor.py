@@ -1,0 +1,159 @@
+"""Governor scenarios: asyncrawl against the mock API running in its own process.
+
+Each scenario starts ``python -m asyncrawl.testing`` with a server-side behaviour, runs a crawl
+with the library, then judges the run from the *server's* request log (what the server saw is
+what counts), and prints the figures with PASS/FAIL against the acceptance criteria:
+
+* quota     the server enforces 40 req/s (429 + Retry-After: 1 beyond it); asyncrawl is set to
+            200 req/s, concurrency 32, 1,500 IDs. After the first 5 s: 429s < 5% of requests
+            and successful throughput >= 36 req/s; every ID ends ok.
+* outage    4,000 IDs at 300 req/s; the server answers 503 to everything for 8 s starting 2 s
+            in. < 50 requests during the outage, no ID deferred to pass 2, every ID ok.
+* accuracy  rate 50, 600 IDs: every 1-second window holds <= rate x 1.05 + burst requests, and
+            the mean rate is >= 97% of the configured one.
+
+Usage: ``.venv/bin/python bench/governor.py [quota|outage|accuracy ...]`` (default: all).
+Exit status 0 when every scenario passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from asyncrawl import Config, Crawler, Summary
+from asyncrawl.journal import JOURNAL, scan
+from asyncrawl.testing import LogEntry, read_log
+
+
+def start_mock(log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrawl.testing", "--no-auth", "--faults", "none",
+         "--log", str(log), *args], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line.startswith("listening on "):
+        proc.kill()
+        raise SystemExit(f"mock API did not start: {line!r}")
+    return proc, line.removeprefix("listening on ")
+
+
+def crawl(url: str, state: Path, n: int, **kw: Any) -> Summary:
+    config = Config(url=url + "/items/{id}", state_dir=str(state), cooldown=1.0, timeout=10.0, **kw)
+
+    async def main() -> Summary:
+        async with Crawler(config) as crawler:
+            return await crawler.run([f"id{i:05d}" for i in range(n)])
+
+    return asyncio.run(main())
+
+
+def run_scenario(mock_args: list[str], n: int, judge: Callable[[list[LogEntry], Summary, Path], list[
+        tuple[str, float, str, bool]]], **kw: Any) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        log, state = Path(tmp) / "mock.log", Path(tmp) / "state"
+        proc, url = start_mock(log, *mock_args)
+        try:
+            summary = crawl(url, state, n, **kw)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            if proc.stdout:
+                proc.stdout.close()
+        rows = judge(read_log(log), summary, state)
+    ok = True
+    for name, value, target, passed in rows:
+        ok &= passed
+        print(f"  {name:<42} {value:>10.2f}   {target:<18} {'PASS' if passed else 'FAIL'}")
+    return ok
+
+
+def starts(log: list[LogEntry]) -> list[float]:
+    return sorted(e.t for e in log if e.event == "start")
+
+
+def quota() -> bool:
+    print("quota: server 40 req/s hard, asyncrawl 200 req/s, concurrency 32, 1,500 IDs")
+
+    def judge(log: list[LogEntry], s: Summary, state: Path) -> list[tuple[str, float, str, bool]]:
+        ends = sorted((e.t, e.status) for e in log if e.event == "end")
+        t0 = starts(log)[0]
+        late = [st for t, st in ends if t >= t0 + 5]
+        span = ends[-1][0] - (t0 + 5)
+        share429 = sum(1 for st in late if st == 429) / max(len(late), 1)
+        ok_rate = sum(1 for st in late if st == 200) / span if span > 0 else 0.0
+        early429 = sum(1 for t, st in ends if st == 429 and t < t0 + 5)
+        return [
+            ("429 share after the first 5 s (%)", 100 * share429, "< 5", share429 < 0.05),
+            ("successful req/s after the first 5 s", ok_rate, ">= 36", ok_rate >= 36),
+            ("429s in the first 5 s (for information)", early429, "-", True),
+            ("IDs ok (of 1,500)", s.ok, "= 1500", s.ok == 1500),
+        ]
+
+    return run_scenario(["--quota", "40"], 1500, judge, rate=200.0, concurrency=32)
+
+
+def outage() -> bool:
+    print("outage: 4,000 IDs at 300 req/s; server answers 503 to all from 2 s to 10 s")
+
+    def judge(log: list[LogEntry], s: Summary, state: Path) -> list[tuple[str, float, str, bool]]:
+        t = starts(log)
+        t0 = t[0]
+        during = sum(1 for x in t if t0 + 2 <= x < t0 + 10)
+        deferred = sum(1 for _, rec in scan(state / JOURNAL) if rec["k"] == "failed")
+        return [
+            ("requests sent during the outage", during, "< 50", during < 50),
+            ("IDs deferred to pass 2", deferred, "= 0", deferred == 0),
+            ("IDs ok (of 4,000)", s.ok, "= 4000", s.ok == 4000),
+            ("run time, s (for information)", s.elapsed, "-", True),
+        ]
+
+    return run_scenario(["--outage", "2,8"], 4000, judge, rate=300.0, concurrency=32,
+                        breaker_probe_max=2.0)
+
+
+def accuracy() -> bool:
+    rate, burst = 50.0, 50
+    print(f"accuracy: rate {rate:g}, burst {burst}, 600 IDs")
+
+    def judge(log: list[LogEntry], s: Summary, state: Path) -> list[tuple[str, float, str, bool]]:
+        t = starts(log)
+        most = max(bisect.bisect_left(t, x + 1.0) - i for i, x in enumerate(t))
+        # The mean over the steady part: after the initial burst has been spent.
+        steady = t[burst:]
+        mean = (len(steady) - 1) / (steady[-1] - steady[0])
+        return [
+            ("most requests in any 1-second window", most, f"<= {rate * 1.05 + burst:g}",
+             most <= rate * 1.05 + burst),
+            ("mean req/s after the initial burst", mean, f">= {0.97 * rate:g}", mean >= 0.97 * rate),
+            ("IDs ok (of 600)", s.ok, "= 600", s.ok == 600),
+        ]
+
+    return run_scenario([], 600, judge, rate=rate, burst=burst, concurrency=16)
+
+
+SCENARIOS = {"quota": quota, "outage": outage, "accuracy": accuracy}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                   help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    args = p.parse_args(argv)
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenario {sorted(unknown)[0]!r}; choose from {', '.join(SCENARIOS)}")
+    results = {name: SCENARIOS[name]() for name in args.scenarios or SCENARIOS}
+    print("\n" + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in results.items()))
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
