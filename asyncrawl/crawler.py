@@ -90,6 +90,11 @@ class Progress:
     elapsed: float
     eta: float | None
     cooling_down: bool = False
+    effective_rate: float = 0.0  # the governor's current rate limit (req/s)
+    configured_rate: float = 0.0
+    breaker_open: bool = False
+    retry_budget_spent: int = 0  # retries the retry budget granted so far
+    retry_budget_waiting: bool = False  # a retry is held back by the budget right now
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,13 +483,19 @@ class Crawler:
             left = max(0, self.total - done - self.duplicates)
             if settled_here and elapsed > 1:
                 eta = left / (settled_here / elapsed)
+        g = self._governor
+        rb = g.retry_budget if g else None
         return Progress(
             pass_no=self.pass_no, total=self.total, done=done, ok=self.ok, failed=self.failed,
             unavailable=self.unavailable, skipped=self.skipped,
             retries=self.retries + (w.retries if w else 0), requests=requests,
             in_flight=w.in_flight if w else 0, parked=len(w.parking) if w else 0, rate=rate,
-            paused_for=self._governor.paused_for if self._governor else 0.0,
-            elapsed=now - self._started, eta=eta, cooling_down=self._cooling)
+            paused_for=g.paused_for if g else 0.0,
+            elapsed=now - self._started, eta=eta, cooling_down=self._cooling,
+            effective_rate=g.effective_rate if g else self.config.rate,
+            configured_rate=self.config.rate, breaker_open=g.breaker_open if g else False,
+            retry_budget_spent=rb.spent if rb else 0,
+            retry_budget_waiting=bool(rb and rb.tokens < 1.0))
 
     async def _tick(self) -> None:
         if self.on_progress is None:

@@ -40,8 +40,14 @@ def line(p: Progress) -> str:
     ]
     if p.skipped:
         parts.insert(2, f"already done {p.skipped:,}")
+    if p.effective_rate and p.effective_rate < p.configured_rate:
+        parts.append(f"limit {p.effective_rate:,.1f}/{p.configured_rate:,.0f} req/s (adapted)")
     if p.paused_for > 0:
         parts.append(f"paused {p.paused_for:.0f}s (server asked)")
+    if p.breaker_open:
+        parts.append("upstream down: probing")
+    if p.retry_budget_waiting:
+        parts.append("retries held (retry budget)")
     if p.total is not None and p.pass_no == 1:
         parts.append(f"ETA {_duration(p.eta)}")
     return " | ".join(parts)
