@@ -25,10 +25,12 @@ import os
 import signal as signal_mod
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 
 from . import __version__
 from .alerts import send_alerts
@@ -498,14 +500,20 @@ class Crawler:
             retry_budget_waiting=bool(rb and rb.tokens < 1.0))
 
     async def _tick(self) -> None:
-        if self.on_progress is None:
-            return
+        """Every second: the live snapshot for ``asyncrawl status``; and ``on_progress``."""
+        step = min(self.progress_every, LIVE_EVERY)
+        last_hook = time.monotonic()
         while True:
-            await asyncio.sleep(self.progress_every)
-            try:
-                self.on_progress(self.progress())
-            except Exception:
-                log.exception("on_progress hook failed")
+            await asyncio.sleep(step)
+            p = self.progress()
+            if self._journal is not None:
+                await asyncio.to_thread(write_live, self._journal.state_dir, p)
+            if self.on_progress is not None and time.monotonic() - last_hook >= self.progress_every * 0.99:
+                last_hook = time.monotonic()
+                try:
+                    self.on_progress(p)
+                except Exception:
+                    log.exception("on_progress hook failed")
 
     def _summary(self, journal: Journal, seen: set[str]) -> Summary:
         outcome = journal.state.outcome
@@ -525,6 +533,20 @@ class Crawler:
                        retries=self.retries, requests=self.requests, billable=self.billable,
                        halt=self.halt, elapsed=time.monotonic() - self._started,
                        state_dir=str(journal.state_dir))
+
+
+LIVE_EVERY = 1.0
+LIVE = "live.json"
+
+
+def write_live(state_dir: Path, p: Progress) -> None:
+    """Replace ``live.json`` (not durable: a view for ``status``, never read back by a run)."""
+    tmp = state_dir / (LIVE + ".tmp")
+    try:
+        tmp.write_bytes(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time()}))
+        os.replace(tmp, state_dir / LIVE)
+    except OSError:
+        pass  # a view only; the journal is what matters
 
 
 async def _finish(task: asyncio.Task[Any]) -> None:

@@ -50,6 +50,11 @@ def status(config: Config) -> dict[str, Any]:
         "runs": st.runs,
         "state_dir": str(d),
     }
+    if running is not None:
+        try:
+            out["live"] = orjson.loads((d / "live.json").read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            out["live"] = None
     if config.price_per_call is not None:
         out["cost"] = round(billable * config.price_per_call, 6)
         out["currency"] = config.currency
@@ -72,7 +77,19 @@ def status_text(s: dict[str, Any]) -> str:
                      f"(possibly billed); {s['possibly_billed_twice']:,} of those re-fetched since "
                      "(possibly billed twice): asyncrawl export --outcome in-doubt")
     if s["running"] is not None:
-        lines.append(f"running      yes (pid {s['running']}), {s['in_flight']:,} requests in flight")
+        lines.append(f"running      yes (pid {s['running']}), "
+                     f"{s['in_flight']:,} IDs sent and not settled yet")
+        live = s.get("live")
+        if live:
+            gov = (f"rate limit {live['effective_rate']:,.1f}/{live['configured_rate']:,.0f} req/s, "
+                   f"sending {live['rate']:,.1f} req/s, pass {live['pass_no']}")
+            if live["paused_for"] > 0:
+                gov += f", paused {live['paused_for']:.0f}s (Retry-After)"
+            gov += ", breaker OPEN (upstream down, probing)" if live["breaker_open"] else ", breaker closed"
+            gov += f", retry budget used {live['retry_budget_spent']:,}"
+            if live["retry_budget_waiting"]:
+                gov += " (retries held)"
+            lines.append(f"governor     {gov}")
     if s["halt"]:
         h = s["halt"]
         code = f" (HTTP {h['status']})" if h["status"] else ""
