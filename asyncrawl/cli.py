@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -359,3 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             sys.stdout.close()
         return 0
+    except Exception:
+        traceback.print_exc()
+        print("asyncrawl: internal error (a bug, please report it with the traceback above); "
+              "what was recorded is safe: rerun to resume", file=sys.stderr)
+        return 1
