@@ -26,8 +26,9 @@ from . import __version__
 from .config import Config
 from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
+from .fetch import Response
 from .journal import load_state
-from .progress import LiveLine, PeriodicLines, line, summary_text
+from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
 from .source import file_ids, prescan_file
 
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tries", type=int, metavar="N")
     run.add_argument("--timeout", type=float, metavar="S")
     run.add_argument("-H", "--header", action="append", default=[], metavar="'Name: value'")
+    run.add_argument("--insecure", action="store_true",
+                     help="do not verify TLS certificates (a warning is printed on every run)")
     run.add_argument("--no-second-pass", action="store_true")
     run.add_argument("--cooldown", type=float, metavar="S")
     run.add_argument("--max-requests", type=int, metavar="N", help="stop after N billable calls")
@@ -101,7 +104,7 @@ def _headers(raw: list[str], secrets: set[str]) -> dict[str, str]:
     for h in raw:
         name, sep, value = h.partition(":")
         if not sep or not name.strip():
-            raise ConfigError(f"-H expects 'Name: value', got {h.split(':')[0]!r}...")
+            raise ConfigError("-H expects 'Name: value' (a header name, a colon, the value)")
         out[name.strip()] = _ENV_REF.sub(sub, value.strip())
     return out
 
@@ -129,7 +132,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "ids": args.ids, "url": args.url, "concurrency": args.concurrency, "rate": args.rate,
         "burst": args.burst, "max_tries": args.max_tries, "timeout": args.timeout,
         "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
-        "max_requests": args.max_requests, "_headers": headers, "_secrets": secrets,
+        "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
+        "_headers": headers, "_secrets": secrets,
     }
 
 
@@ -158,19 +162,41 @@ class _Redact(logging.Filter):
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per line. Stable keys: ``ts`` (Unix time), ``level``, ``event``
+    (``progress``, ``errors``, ``halt``, ``summary`` or ``log``) and ``msg``, then the event's
+    own fields (``progress``: an object; ``errors``: ``reason``, ``count``, ``window_s``,
+    ``recorded``, ``example_id``; ``halt``: ``reason``, ``status``, ``message``; ``summary``:
+    the final counts). Every line is redacted as a whole."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+
     def format(self, record: logging.LogRecord) -> str:
         obj: dict[str, Any] = {
             "ts": round(record.created, 3), "level": record.levelname.lower(),
-            "msg": record.getMessage(),
+            "event": getattr(record, "event", "log"), "msg": record.getMessage(),
         }
         obj.update(getattr(record, "fields", {}))
-        return json.dumps(obj, ensure_ascii=False)
+        return self.config.redact(json.dumps(obj, ensure_ascii=False))
+
+
+class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, shared with the live view: a log line first erases the view, and the next frame
+    draws it again below the line."""
+
+    live: LiveView | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.live is not None:
+            self.live.clear()
+        super().emit(record)
 
 
 def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
     handler: logging.Handler = (logging.FileHandler(log_file, encoding="utf-8") if log_file
-                                else logging.StreamHandler(sys.stderr))
-    handler.setFormatter(_JsonFormatter() if fmt == "json"
+                                else _Console(sys.stderr))
+    handler.setFormatter(_JsonFormatter(config) if fmt == "json"
                          else logging.Formatter("asyncrawl: %(levelname)s: %(message)s"))
     handler.addFilter(_Redact(config))
     log.addHandler(handler)
@@ -183,21 +209,36 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
 
 
 async def _run(config: Config, *, ids_path: str, progress: bool, total: int | None) -> Summary:
-    display: LiveLine | PeriodicLines | None = None
-    every = config.progress_interval
-    if progress and sys.stderr.isatty():
-        display, every = LiveLine(sys.stderr), 0.25
-    elif progress:
-        display = PeriodicLines(sys.stderr)
+    """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
+    line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
+    errors = ErrorTally()
+    live = LiveView(sys.stderr, errors) if progress and sys.stderr.isatty() else None
+    every = 0.25 if live is not None else config.progress_interval
+    consoles = [h for h in log.handlers if isinstance(h, _Console)]
+    for h in consoles:
+        h.live = live
+    last_drain = time.monotonic()
+
+    def drain_errors() -> None:
+        nonlocal last_drain
+        last_drain = time.monotonic()
+        for burst in errors.drain():
+            log.warning("%s", burst.message(), extra={"event": "errors", "fields": burst.fields()})
 
     def show(p: Progress) -> None:
-        if isinstance(display, LiveLine):
-            display(p)
-        elif display is not None:
-            log.info("%s", line(p), extra={"fields": {"progress": _progress_fields(p)}})
+        if live is not None:
+            live(p)
+        elif progress:
+            log.info("%s", line(p), extra={"event": "progress",
+                                           "fields": {"progress": _progress_fields(p)}})
+        if time.monotonic() - last_drain >= config.progress_interval * 0.99:
+            drain_errors()
 
-    crawler = Crawler(config, on_progress=show if display else None, progress_every=every,
-                      total=total)
+    def observe(response: Response) -> None:
+        errors.answer(response.status, response.body_ok)  # counts only; the verdict stays
+
+    crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
+                      on_result=errors.result, classify=observe)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
@@ -207,14 +248,32 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        if display is not None:
-            display.close()
+        for h in consoles:
+            h.live = None
+        if live is not None:
+            live.close()
+        drain_errors()  # the last interval's errors, before the summary and the halt line
     return summary
 
 
 def _progress_fields(p: Progress) -> dict[str, Any]:
     return {"pass": p.pass_no, "done": p.done, "total": p.total, "ok": p.ok, "failed": p.failed,
-            "unavailable": p.unavailable, "retries": p.retries, "rate": round(p.rate, 1)}
+            "unavailable": p.unavailable, "retries": p.retries, "rate": round(p.rate, 1),
+            "limit": round(p.effective_rate, 1), "paused_s": round(p.paused_for, 1),
+            "breaker_open": p.breaker_open, "eta_s": None if p.eta is None else round(p.eta)}
+
+
+def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: bool) -> None:
+    """The final summary on stdout; in the log (``to_log``: a file or JSON) a ``summary`` event;
+    and the halt reason as the log's last line, after every aggregated error line."""
+    print(summary_text(summary, total=total, price=config.price_per_call,
+                       currency=config.currency), flush=True)
+    if to_log:
+        log.info("finished: exit %s", summary.exit_code,
+                 extra={"event": "summary", "fields": summary_fields(summary, total=total)})
+    if summary.halt is not None:
+        log.warning("stopped: %s: %s", summary.halt.reason, summary.halt.message,
+                    extra={"event": "halt", "fields": summary.halt.as_dict()})
 
 
 def _spool_stdin() -> str:
@@ -246,9 +305,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             if spooled:
                 os.unlink(spooled)
-        print(summary_text(summary))
-        if summary.halt is not None:
-            log.warning("stopped: %s: %s", summary.halt.reason, summary.halt.message)
+        _report_end(summary, config, total=total,
+                    to_log=args.log_format == "json" or args.log_file is not None)
         return summary.exit_code
     finally:
         log.removeHandler(handler)
@@ -284,7 +342,8 @@ def _dry_run(config: Config, ids_path: str) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     config = load_config(args)
-    s = status(config)
+    has_config = bool(args.config) or Path("config.toml").is_file()
+    s = status(config, endpoint="" if has_config else None)  # "": from the config's URL
     print(json.dumps(s) if args.json else status_text(s))
     return 0
 
@@ -327,7 +386,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             summary = await _run(config, ids_path=str(ids_file), total=total,
                                  progress=not args.no_progress)
             paid = len(api.paid())
-        print(summary_text(summary))
+        print(summary_text(summary, total=total))
         print(f"  mock API   {len(api.log) // 2:,} requests seen, {paid:,} paid answers "
               f"(= ok fetched: {'yes' if paid == summary.fetched else 'NO'})")
         print(f"\ntry: asyncrawl status --state {state}\n     "

@@ -3,22 +3,28 @@
 The TOML file has sections (``[request]``, ``[limits]`` ...); the ``Config`` object is flat, so a
 library user writes ``Config(url=..., rate=...)``. ``TOML_KEYS`` is the one table that maps
 ``section.key`` to a field. Strings in the file may use ``${ENV_VAR}``; every value that came
-from the environment, and every auth-like header or query value, is a *secret*: ``Config.redact``
-removes secrets from any text before it is printed, logged or written.
+from the environment, every auth-like header or query value (and those named in
+``secret_names``), the token inside ``Bearer``/``Basic`` credentials and cookies, a URL's
+password and the webhook URL are *secrets*: ``Config.redact`` removes them (as written and
+percent-encoded) from any text before it is printed, logged or written, and no ``ConfigError``
+quotes one. See SECURITY.md.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import math
 import os
 import re
+import ssl
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, urlsplit
 
 from .errors import ConfigError
 
@@ -28,9 +34,12 @@ DEFAULT_FATAL = frozenset({401, 402})
 MAX_ID_LENGTH = 1024
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
-_SECRET_PARAM = re.compile(
-    r"^(key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(nature)?)$", re.I)
+_PARAM_NAMES = r"key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(?:nature)?"
+_SECRET_PARAM = re.compile(rf"^(?:{_PARAM_NAMES})$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# "Bearer abc", "Token abc", "Basic dXNlcjpwYXNz": the credential after an auth scheme word
+_SCHEME_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)\s+(\S.*)$", re.S)
+MIN_SECRET_LENGTH = 3  # shorter values would redact ordinary text everywhere
 
 
 def _frozen_map(m: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -50,8 +59,11 @@ class Config:
     max_body_bytes: int = 8 * 1024 * 1024
     follow_redirects: str = "same-origin"
     max_redirects: int = 5
+    connect_timeout: float | None = None
+    read_timeout: float | None = None
     verify_tls: bool = True
     ca_bundle: str | None = None
+    secret_names: tuple[str, ...] = ()
     error_field: str | None = None
     success_values: tuple[Any, ...] = ()
     concurrency: int = 16
@@ -83,24 +95,54 @@ class Config:
     currency: str = "USD"
     max_spend: float | None = None
     secrets: frozenset[str] = field(default=frozenset(), repr=False)
+    # derived in __post_init__: every form of every secret (longest first), and the pattern
+    # that blanks secret-named query parameters in URLs
+    _needles: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    _param_re: re.Pattern[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_shapes(self)
         set_ = object.__setattr__
+        given = self.secrets if isinstance(self.secrets, set | frozenset | list | tuple) else ()
+        set_(self, "_needles", _forms_of(s for s in given if isinstance(s, str)))
+        # A ConfigError quotes the offending value, which may hold a secret (a wrong-typed
+        # value that came from ${ENV}): every message is redacted before it leaves.
+        with self._redacting_errors():
+            _check_shapes(self)
         set_(self, "headers", _frozen_map(self.headers))
         set_(self, "params", _frozen_map(self.params))
         for name in ("retryable", "skip", "fatal"):
             set_(self, name, frozenset(getattr(self, name)))
         set_(self, "success_values", tuple(self.success_values))
+        set_(self, "secret_names", tuple(self.secret_names))
         set_(self, "method", self.method.upper())
         if self.burst is None:
             set_(self, "burst", max(1, math.ceil(self.rate)) if _is_num(self.rate) else 1)
-        secrets = set(self.secrets)
+        secrets = {s for s in given if isinstance(s, str)}
         # str(): TOML may give a number (sent as text), and a wrong type must not fail here
-        secrets.update(str(v) for k, v in self.headers.items() if _SECRET_HEADER.search(k))
-        secrets.update(str(v) for k, v in self.params.items() if _SECRET_PARAM.match(k))
-        set_(self, "secrets", frozenset(s for s in secrets if isinstance(s, str) and len(s) >= 3))
-        _validate(self)
+        for k, v in self.headers.items():
+            if self.is_secret_header(k):
+                secrets.update(_credential_parts(str(v), cookie=k.lower() == "cookie"))
+        secrets.update(str(v) for k, v in self.params.items() if self.is_secret_param(k))
+        if isinstance(self.url, str):
+            secrets.update(_userinfo(self.url))
+        if isinstance(self.webhook, str):  # e.g. a Slack webhook URL is itself a credential
+            secrets.add(self.webhook)
+            secrets.update(_userinfo(self.webhook))
+        secrets = {s for s in secrets if len(s) >= MIN_SECRET_LENGTH}
+        set_(self, "secrets", frozenset(secrets))
+        set_(self, "_needles", _forms_of(secrets))
+        names = "|".join([_PARAM_NAMES, *(re.escape(n) for n in self.secret_names)])
+        set_(self, "_param_re", re.compile(rf"([?&;](?:{names})=)[^&#\s'\"<>]+", re.I))
+        with self._redacting_errors():
+            _validate(self)
+
+    @contextlib.contextmanager
+    def _redacting_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as e:
+            e.args = tuple(self.redact(a) if isinstance(a, str) else a for a in e.args)
+            raise
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr)
@@ -165,11 +207,24 @@ class Config:
     # -- derived -------------------------------------------------------------------------------
 
     def redact(self, text: str) -> str:
-        """``text`` with every secret value replaced by ``***``."""
-        for s in self.secrets:
+        """``text`` with every secret value replaced by ``***``: the value as configured, its
+        percent-encoded forms (as it appears in a URL), the credential after an auth scheme
+        word (``Bearer``/``Basic``/``Token`` ...), and the value of any secret-named query
+        parameter in a URL (``?api_key=...``) even when it is not a known secret."""
+        for s in self._needles:
             if s in text:
                 text = text.replace(s, "***")
+        if self._param_re is not None and "=" in text:
+            text = self._param_re.sub(r"\1***", text)
         return text
+
+    def is_secret_header(self, name: str) -> bool:
+        """Whether a header of this name carries a credential (auth-like, or in ``secret_names``)."""
+        return bool(_SECRET_HEADER.search(name)) or name.lower() in _lower(self.secret_names)
+
+    def is_secret_param(self, name: str) -> bool:
+        """Whether a query parameter of this name carries a credential."""
+        return bool(_SECRET_PARAM.match(name)) or name.lower() in _lower(self.secret_names)
 
     @property
     def request_budget(self) -> int | None:
@@ -193,8 +248,11 @@ TOML_KEYS: dict[str, str] = {
     "request.max_body_bytes": "max_body_bytes",
     "request.follow_redirects": "follow_redirects",
     "request.max_redirects": "max_redirects",
+    "request.connect_timeout": "connect_timeout",
+    "request.read_timeout": "read_timeout",
     "request.verify_tls": "verify_tls",
     "request.ca_bundle": "ca_bundle",
+    "request.secret_names": "secret_names",
     "response.error_field": "error_field",
     "response.success_values": "success_values",
     "limits.concurrency": "concurrency",
@@ -230,6 +288,57 @@ TOML_SECTIONS = frozenset(k.split(".")[0] for k in TOML_KEYS)
 FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
 
 
+def _lower(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(n.lower() for n in names if isinstance(n, str))
+
+
+def _credential_parts(value: str, *, cookie: bool = False) -> set[str]:
+    """A credential header's value and the secret parts inside it: the token after a scheme word
+    (``Bearer tok`` -> ``tok``), Basic auth's decoded ``user:password`` and password, and each
+    cookie's value."""
+    parts = {value}
+    m = _SCHEME_VALUE.match(value)
+    if m:
+        token = m.group(2).strip()
+        parts.add(token)
+        if m.group(1).lower() == "basic":
+            try:
+                decoded = base64.b64decode(token, validate=True).decode("utf-8")
+            except (ValueError, UnicodeDecodeError):
+                decoded = ""
+            if decoded:
+                parts.add(decoded)
+                parts.add(decoded.partition(":")[2])
+    if cookie:  # session cookies are long; short values (theme=dark) would redact ordinary words
+        for pair in value.split(";"):
+            v = pair.partition("=")[2].strip()
+            if len(v) >= 8:
+                parts.add(v)
+    return parts
+
+
+def _userinfo(url: str) -> set[str]:
+    """The password (and whole ``user:password``) of a URL with userinfo."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return set()
+    if parts.password:
+        return {parts.password, parts.netloc.rpartition("@")[0]}
+    return set()
+
+
+def _forms_of(secrets: Iterable[str]) -> tuple[str, ...]:
+    """Every form in which a secret may show up in text, longest first (so that a secret that
+    contains another is replaced whole): as is, and percent-encoded as in a URL path or query."""
+    forms: set[str] = set()
+    for s in secrets:
+        if len(s) < MIN_SECRET_LENGTH:
+            continue
+        forms.update((s, quote(s, safe=""), quote(s), quote_plus(s), quote(s, safe="/:@!$'()*+,;=")))
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
 def _expand(value: Any, key: str, path: Path | None, secrets: set[str]) -> Any:
     """Replace ``${VAR}`` in strings (recursively); remember the values as secrets."""
     if isinstance(value, str):
@@ -262,10 +371,12 @@ def _check_shapes(c: Config) -> None:
         v = getattr(c, name)
         if v is not None and not (isinstance(v, Mapping) and all(isinstance(k, str) for k in v)):
             raise bad(name, f"must be a table of name = value, got {type(v).__name__}")
-    for name in ("retryable", "skip", "fatal", "success_values"):
+    for name in ("retryable", "skip", "fatal", "success_values", "secret_names"):
         v = getattr(c, name)
         if not isinstance(v, list | tuple | set | frozenset):
             raise bad(name, f"must be a list, got {type(v).__name__}")
+    if not all(isinstance(n, str) and n for n in c.secret_names):
+        raise bad("secret_names", "must be a list of header or query parameter names")
     for name in ("retryable", "skip", "fatal"):
         for code in getattr(c, name):
             if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
@@ -283,8 +394,9 @@ def _validate(c: Config) -> None:
         v = getattr(c, name)
         if name in ("timeout", "rate", "backoff_base", "backoff_max", "cooldown", "grace",
                     "retry_after_max", "progress_interval", "price_per_call", "max_spend",
-                    "retry_budget", "retry_budget_floor", "breaker_probe_max"):
-            if v is None and name in ("price_per_call", "max_spend"):
+                    "retry_budget", "retry_budget_floor", "breaker_probe_max", "connect_timeout",
+                    "read_timeout"):
+            if v is None and name in ("price_per_call", "max_spend", "connect_timeout", "read_timeout"):
                 continue
             if not _is_num(v):
                 raise bad(name, f"must be a number, got {type(v).__name__} {v!r}")
@@ -332,6 +444,11 @@ def _validate(c: Config) -> None:
     for name in ("price_per_call", "max_spend"):
         if getattr(c, name) is not None and getattr(c, name) < 0:
             raise bad(name, "must not be negative")
+    for name in ("connect_timeout", "read_timeout"):
+        if getattr(c, name) is not None and getattr(c, name) <= 0:
+            raise bad(name, "must be greater than 0 (leave it out to use [request] timeout)")
+    if c.ca_bundle is not None:
+        _check_ca_bundle(c.ca_bundle)
     if c.max_spend is not None and not c.price_per_call:
         raise bad("max_spend", "needs [billing] price_per_call to be set")
     if c.jitter not in ("full", "equal", "none"):
@@ -347,24 +464,55 @@ def _validate(c: Config) -> None:
 
 
 def validate_url_template(url: str, params: Mapping[str, str]) -> None:
-    """The template must be http(s), name a host, and use ``{id}`` in the path or a parameter."""
+    """The template must be http(s), name a host (and a valid port), use ``{id}`` in the path,
+    the query or a parameter (never the host, userinfo or a fragment), and hold no whitespace,
+    control character or broken ``%`` escape (each would make an invalid request line)."""
     key = "request.url"
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise ConfigError("contains whitespace or a control character; percent-encode it "
+                          "(a space is %20)", key=key)
     probe = url.replace("{id}", "ID")
     try:
         parts = urlsplit(probe)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number 0-65535
     except ValueError as e:
         raise ConfigError(f"invalid URL: {e}", key=key) from None
     if parts.scheme not in ("http", "https"):
         raise ConfigError(f"must start with http:// or https://, got {url!r}", key=key)
     if not parts.hostname:
         raise ConfigError("has no host", key=key)
+    if not parts.netloc.isascii():
+        raise ConfigError("the host must be ASCII; write an international domain name in its "
+                          "xn-- (punycode) form", key=key)
     if "{id}" in urlsplit(url).netloc:
         raise ConfigError("{id} may not be part of the host", key=key)
     if "#" in url:
         raise ConfigError("may not contain a #fragment", key=key)
     if "{" in url.replace("{id}", "") or "}" in url.replace("{id}", ""):
         raise ConfigError("the only placeholder allowed is {id}", key=key)
+    if _BAD_ESCAPE.search(url):
+        raise ConfigError("has a % that is not followed by two hex digits; write a literal % "
+                          "as %25", key=key)
     if "{id}" not in url and not any("{id}" in str(v) for v in params.values()):
         raise ConfigError(
             "must contain {id} (e.g. https://api.example.com/items/{id}), "
             "or a [request.params] value must", key=key)
+
+
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def _check_ca_bundle(path: str) -> None:
+    """The CA bundle must load (a PEM file, or a directory of hashed certificates)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        if os.path.isdir(path):
+            ctx.load_verify_locations(capath=path)
+        else:
+            ctx.load_verify_locations(cafile=path)
+    except FileNotFoundError:
+        raise ConfigError(f"CA bundle {path} not found", key="request.ca_bundle") from None
+    except (OSError, ssl.SSLError, ValueError) as e:
+        raise ConfigError(f"cannot load CA bundle {path} ({e.__class__.__name__}); it must be "
+                          "PEM certificates (-----BEGIN CERTIFICATE-----)",
+                          key="request.ca_bundle") from None

@@ -216,7 +216,8 @@ class Crawler:
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=self.config.concurrency, ttl_dns_cache=300)
-        return aiohttp.ClientSession(connector=connector)
+        # No cookie jar: a cookie one origin sets must never travel to another.
+        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
     # -- control -------------------------------------------------------------------------------
 

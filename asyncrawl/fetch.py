@@ -10,12 +10,22 @@ falls in exactly one ``Outcome`` class (SPEC §2)::
     SKIP   400/404/410, every other 4xx, unfollowed   -> recorded failed, permanent
            redirects, bodies over max_body_bytes
     FATAL  401/402                                    -> the whole job halts
+
+Hostile servers are expected: the body is read up to ``max_body_bytes`` (after decompression,
+so a gzip bomb stops at the same limit); a server that never answers or stalls mid-body meets
+the connect / read / total timeouts; every error text is redacted (``Config.redact``) before it
+leaves this module, because aiohttp's messages can quote the request URL and its query.
+Credentials never cross origins: a redirect to another origin is not followed by default, and
+when ``follow_redirects = "any"`` it carries no secret header or value.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+import os
 import re
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,10 +36,15 @@ import orjson
 from multidict import CIMultiDict
 from yarl import URL
 
-from .config import _SECRET_HEADER, Config
+from .config import _SECRET_PARAM, Config
+from .errors import ConfigError
 from .retry import parse_retry_after
 
+log = logging.getLogger("asyncrawl")
+
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+INSECURE_WARNING = ("TLS certificate verification is OFF (verify_tls = false or --insecure): "
+                    "anyone on the network path can read and change the traffic, API key included")
 
 
 class Outcome(enum.Enum):
@@ -43,12 +58,25 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """What to send for one ID. A ``request_for`` hook may return its own."""
+    """What to send for one ID. A ``request_for`` hook may return its own.
+
+    Its ``repr`` shows header *names* only and blanks secret-named query values, so a request
+    that ends up in a traceback or a debug line does not carry the key with it."""
 
     method: str
     url: URL
     headers: Mapping[str, str] = field(default_factory=dict)
     json: Any = None
+
+    def __repr__(self) -> str:
+        url = URL(self.url) if not isinstance(self.url, URL) else self.url
+        if url.query:
+            url = url.with_query([(k, "***" if _SECRET_PARAM.match(k) else v)
+                                  for k, v in url.query.items()])
+        if url.password:
+            url = url.with_password("***")
+        body = "" if self.json is None else ", json=..."
+        return f"Request({self.method!r}, {str(url)!r}, headers={sorted(self.headers)!r}{body})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +119,9 @@ def encode_id(item_id: str) -> str:
     return enc
 
 
+_TEMPLATE_SAFE = "%:/?#[]@!$&'()*+,;=~-._"
+
+
 class RequestBuilder:
     """Turns an ID into a ``Request`` from the config's URL template, params and headers."""
 
@@ -99,7 +130,9 @@ class RequestBuilder:
     def __init__(self, config: Config) -> None:
         self._method = config.method
         self._headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
-        self._parts = config.url.split("{id}")
+        # The template is sent as written (encoded=True), so non-ASCII is percent-encoded here
+        # (UTF-8); reserved characters and existing %XX escapes are kept as they are.
+        self._parts = [quote(p, safe=_TEMPLATE_SAFE) for p in config.url.split("{id}")]
         # Query parameters are encoded here, once; only {id} is filled per request.
         query = [
             (quote(str(k), safe=""), str(v).split("{id}")) for k, v in config.params.items()
@@ -155,26 +188,20 @@ class Fetcher:
         self.config = config
         self.request_for = request_for or RequestBuilder(config)
         self.classify = classify
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.timeout, sock_connect=min(config.timeout, 10.0)
-        )
-        self._ssl: Any = None if config.verify_tls else False
-        if config.ca_bundle and config.verify_tls:
-            import ssl
-
-            ctx = ssl.create_default_context()
-            ctx.load_verify_locations(config.ca_bundle)
-            self._ssl = ctx
+        self.timeout = client_timeout(config)
+        self._ssl = tls_context(config)
+        if self._ssl is False:
+            log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
     async def attempt(self, item_id: str) -> Attempt:
         """One try for ``item_id``. Never raises for network or HTTP problems."""
         cfg = self.config
         try:
             req = self.request_for(item_id)
-            method, url, headers = req.method, req.url, req.headers
+            method, url, headers, body = req.method, req.url, req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
-                    method, url, headers=headers, json=req.json, allow_redirects=False,
+                    method, url, headers=headers, json=body, allow_redirects=False,
                     timeout=self.timeout, ssl=self._ssl,
                 ) as resp:
                     status = resp.status
@@ -193,21 +220,33 @@ class Fetcher:
                                 f"{why}: Location {resp.headers['Location']}"[:500]))
                         if not same:  # never carry credentials to another origin
                             headers = {k: v for k, v in headers.items()
-                                       if not _SECRET_HEADER.search(k)
-                                       and not any(s in v for s in cfg.secrets)}
-                        if status == 303:
-                            method = "GET"
+                                       if not cfg.is_secret_header(k)
+                                       and cfg.redact(v) == v}
+                            target = _without_credentials(target, cfg)
+                        if status == 303:  # "see other": fetch it, do not resend the body
+                            method, body = "GET", None
                         url = target
                         continue
-                    body = await self._read(resp)
-                    return self._classify(item_id, status, resp.headers, body)
+                    data = await self._read(resp)
+                    return self._classify(item_id, status, resp.headers, data)
             raise AssertionError("unreachable")  # pragma: no cover
-        except TimeoutError:
-            return Attempt(Outcome.RETRY, None, error="timeout")
+        except aiohttp.ClientConnectorCertificateError as e:
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(
+                f"TLS certificate verification failed: {_describe(e.certificate_error)}; if the "
+                "server uses a private CA, add it with [request] ca_bundle")[:500])
+        except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
+            return Attempt(Outcome.RETRY, None, error=self._timeout_error(e))
         except aiohttp.ClientError as e:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)))
         except OSError as e:  # e.g. a socket error aiohttp did not wrap
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)))
+
+    def _timeout_error(self, e: TimeoutError) -> str:
+        if isinstance(e, _CONNECT_TIMEOUT):
+            return f"timeout: no connection within {self.timeout.sock_connect:g}s"
+        if isinstance(e, _READ_TIMEOUT):
+            return f"timeout: the server sent nothing for {self.timeout.sock_read:g}s"
+        return "timeout"
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes | None:
         """The body, or ``None`` when it is larger than ``max_body_bytes`` (after decoding)."""
@@ -264,6 +303,55 @@ class Fetcher:
         if not body_ok and 200 <= status < 300:
             error = "2xx body is not valid JSON"
         return Attempt(outcome, effective, error=error, retry_after=retry_after, billable=billable)
+
+
+def _without_credentials(url: URL, cfg: Config) -> URL:
+    """``url`` minus userinfo and every secret-named or secret-valued query parameter (a server
+    may echo the request's query, ``api_key`` included, into a ``Location``)."""
+    if url.user is not None or url.password is not None:
+        url = url.with_user(None)
+    if url.query_string:
+        keep = [(k, v) for k, v in url.query.items()
+                if not cfg.is_secret_param(k) and cfg.redact(f"{k}={v}") == f"{k}={v}"]
+        if len(keep) != len(url.query):
+            url = url.with_query(keep)
+    return url
+
+
+# aiohttp >= 3.10 tells the connect and the read timeout apart (older ones: "timeout")
+_CONNECT_TIMEOUT: Any = getattr(aiohttp, "ConnectionTimeoutError", ())
+_READ_TIMEOUT: Any = getattr(aiohttp, "SocketTimeoutError", ())
+
+
+def client_timeout(config: Config) -> aiohttp.ClientTimeout:
+    """``timeout`` bounds the whole attempt (connect, headers, body); ``connect_timeout``
+    (default: 10 s, at most ``timeout``) the TCP/TLS connect; ``read_timeout`` how long the server
+    may stay silent, before the first byte of the answer or in the middle of its body (default:
+    none of its own: the total bounds a silent server too)."""
+    connect = config.connect_timeout if config.connect_timeout is not None else 10.0
+    read = config.read_timeout
+    return aiohttp.ClientTimeout(
+        total=config.timeout, sock_connect=min(connect, config.timeout),
+        sock_read=read if read is not None and read < config.timeout else None)
+
+
+def tls_context(config: Config) -> ssl.SSLContext | bool:
+    """What to pass as aiohttp's ``ssl=``: ``True`` (verify against the system's CAs), a context
+    that trusts the system's CAs *plus* ``ca_bundle``, or ``False`` when ``verify_tls`` is off."""
+    if not config.verify_tls:
+        return False
+    if not config.ca_bundle:
+        return True
+    ctx = ssl.create_default_context()  # the system's trust store ...
+    try:  # ... plus the bundle (checked by Config; it may have gone since)
+        if os.path.isdir(config.ca_bundle):
+            ctx.load_verify_locations(capath=config.ca_bundle)
+        else:
+            ctx.load_verify_locations(cafile=config.ca_bundle)
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot load CA bundle {config.ca_bundle} ({e.__class__.__name__})",
+                          key="request.ca_bundle") from None
+    return ctx
 
 
 def _describe(e: BaseException) -> str:

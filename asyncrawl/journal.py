@@ -251,12 +251,13 @@ def _fsync_dir(path: Path) -> None:
 class Journal:
     """The open, locked journal of one run. Use ``Journal.open``; close with ``close``."""
 
-    def __init__(self, state_dir: Path, lock_fd: int, state: State, file: Any) -> None:
+    def __init__(self, state_dir: Path, lock_fd: int, state: State, file: Any, size: int = 0) -> None:
         self.state_dir = state_dir
         self.path = state_dir / JOURNAL
         self.state = state
         self._lock_fd = lock_fd
         self._file = file
+        self._durable = size  # the journal's length when its last fsync returned
 
     def __repr__(self) -> str:
         return f"<Journal {self.path} ids={len(self.state.outcome)}>"
@@ -302,6 +303,7 @@ class Journal:
             state.close_run(crashed=True)
             created = not path.exists()
             keep = 0 if created else good_length(path, last)
+            size = keep or len(HEADER)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
                 if not created and keep < os.fstat(fd).st_size:
@@ -320,7 +322,7 @@ class Journal:
         except OSError as e:
             os.close(lock_fd)
             raise StorageError(f"cannot open journal: {e.strerror}", path=d / JOURNAL) from None
-        return cls(d, lock_fd, state, None)
+        return cls(d, lock_fd, state, None, size)
 
     async def start_appending(self) -> None:
         try:
@@ -329,13 +331,38 @@ class Journal:
             raise StorageError(f"cannot open journal: {e.strerror}", path=self.path) from None
 
     async def append(self, data: bytes) -> None:
-        """Write ``data`` and fsync it. Raises ``StorageError``; after one, the journal is dead."""
+        """Write ``data`` and fsync it. Raises ``StorageError``; after one, the journal is dead and
+        what the failed call wrote is cut off again: after a failed write or fsync it is not known
+        to be on disk, so a rerun must not take it for committed records."""
+        if self._file is None:
+            raise StorageError("journal is not open for appending", path=self.path)
         try:
             await self._file.write(data)
             await self._file.flush()
             await asyncio.to_thread(os.fsync, self._file.fileno())
         except OSError as e:
+            await self._cut_uncommitted()
             raise StorageError(f"cannot write journal: {e.strerror or e}", path=self.path) from None
+        self._durable += len(data)
+
+    async def _cut_uncommitted(self) -> None:
+        """Best effort after a failed append: close the file (its buffer may still be flushed,
+        so only then) and truncate the journal to its length at the last successful fsync."""
+        file, self._file = self._file, None
+        with contextlib.suppress(OSError):
+            await file.close()
+
+        def cut() -> None:
+            fd = os.open(self.path, os.O_WRONLY)
+            try:
+                if os.fstat(fd).st_size > self._durable:
+                    os.ftruncate(fd, self._durable)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(cut)
 
     async def close(self) -> None:
         try:

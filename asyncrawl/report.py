@@ -10,30 +10,77 @@ from __future__ import annotations
 import csv
 import os
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 import orjson
 
 from .config import Config
+from .crawler import Halt
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, OUTCOME_KINDS, State, load_state, lock_holder, scan
+from .progress import halt_text
 
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
 EXPORT_FORMATS = ("jsonl", "csv", "ids")
 
 
-def status(config: Config) -> dict[str, Any]:
-    """The figures ``asyncrawl status`` prints (the ``--json`` object)."""
+def endpoint_of(url: str) -> str:
+    """The endpoint of a URL template as a provider's billing page names it: host (and port) and
+    path, ID placeholder kept, no scheme, credentials or query: ``api.example.com/v1/notes/{id}``."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{host}{f':{port}' if port else ''}{parts.path or '/'}"
+
+
+def _day(ts: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+
+def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
+    """The figures ``asyncrawl status`` prints (the ``--json`` object).
+
+    The billing ledger counts billable (2xx) calls by the UTC date of their record and by
+    endpoint, derived from ``config.url`` (``endpoint=None``: unknown, e.g. no config was given;
+    a string: that endpoint). ``not_billed`` counts the calls sent without a 2xx answer (error
+    answers, timeouts, dropped connections), from the journal's note written before each send,
+    minus the calls whose answer was lost in a crash (``in_doubt``: possibly billed).
+    """
     d = Path(config.state_dir)
     if not (d / JOURNAL).exists():
         raise StorageError("no journal here yet (nothing has run with this state directory)",
                            path=d)
     running = lock_holder(d)
-    st = load_state(d, running=running is not None)
+    # one read of the journal: the state (as load_state replays it) and the calls sent
+    st = State()
+    sent_by_day: Counter[str] = Counter()
+    for _, rec in scan(d / JOURNAL):
+        st.apply(rec)
+        if rec["k"] == "sent":
+            sent_by_day[_day(rec["ts"])] += 1
+    if running is None:
+        st.close_run(crashed=True)
     counts = st.counts()
     billable = sum(st.billable_by_day.values())
+    in_doubt = len(st.in_doubt) + (len(st.in_flight) if running is not None else 0)
+    sent = sum(sent_by_day.values())
+    if endpoint == "":
+        endpoint = config.redact(endpoint_of(config.url))
+    price = config.price_per_call
+    ledger = []
+    for day, n in sorted(st.billable_by_day.items()):
+        row: dict[str, Any] = {"date": day, "endpoint": endpoint, "billable": n}
+        if price is not None:
+            row["cost"] = round(n * price, 6)
+        ledger.append(row)
     halt = None
     if st.halt is not None:
         halt = {"status": st.halt.get("s"), "message": config.redact(st.halt.get("e") or ""),
@@ -43,6 +90,9 @@ def status(config: Config) -> dict[str, Any]:
         "halt": halt,
         "billable": billable,
         "billable_by_date": dict(sorted(st.billable_by_day.items())),
+        "ledger": ledger,
+        "requests_sent": sent,
+        "not_billed": max(0, sent - billable - in_doubt) if sent else None,
         "in_doubt": sum(1 for twice in st.in_doubt.values() if not twice),
         "possibly_billed_twice": sum(st.in_doubt.values()),
         "in_flight": len(st.in_flight) if running is not None else 0,
@@ -55,23 +105,31 @@ def status(config: Config) -> dict[str, Any]:
             out["live"] = orjson.loads((d / "live.json").read_bytes())
         except (OSError, orjson.JSONDecodeError):
             out["live"] = None
-    if config.price_per_call is not None:
-        out["cost"] = round(billable * config.price_per_call, 6)
+    if price is not None:
+        out["cost"] = round(billable * price, 6)
         out["currency"] = config.currency
+        out["price_per_call"] = price
     return out
 
 
 def status_text(s: dict[str, Any]) -> str:
+    cur = f" {s['currency']}" if "cost" in s else ""
     lines = [
         f"state        {s['state_dir']}",
         f"ok           {s['ok']:,}",
         f"failed       {s['failed']:,}  (retried by the next run)",
         f"unavailable  {s['unavailable']:,}  (confirmed after two passes)",
         f"billable     {s['billable']:,} calls"
-        + (f" = {s['cost']:,.4f} {s['currency']}" if "cost" in s else ""),
+        + (f" = {s['cost']:,.4f}{cur} at {s['price_per_call']:g} per call" if "cost" in s else "")
+        + "  (2xx answers: what the provider bills)",
     ]
-    for day, n in s["billable_by_date"].items():
-        lines.append(f"  {day} UTC  {n:,}")
+    for row in s["ledger"]:
+        where = row["endpoint"] or "(endpoint: pass -c CONFIG)"
+        cost = f" = {row['cost']:,.4f}{cur}" if "cost" in row else ""
+        lines.append(f"  {row['date']} UTC  {where}  {row['billable']:,}{cost}")
+    if s["not_billed"] is not None:
+        lines.append(f"not billed   {s['not_billed']:,} calls  (error answers, timeouts, dropped "
+                     f"connections; {s['requests_sent']:,} calls sent in all)")
     if s["in_doubt"] or s["possibly_billed_twice"]:
         lines.append(f"in doubt     {s['in_doubt']:,} sent when a run was cut off, no result kept "
                      f"(possibly billed); {s['possibly_billed_twice']:,} of those re-fetched since "
@@ -92,8 +150,8 @@ def status_text(s: dict[str, Any]) -> str:
             lines.append(f"governor     {gov}")
     if s["halt"]:
         h = s["halt"]
-        code = f" (HTTP {h['status']})" if h["status"] else ""
-        lines.append(f"last run     halted: {h['reason']}{code}: {h['message']}")
+        what, then = halt_text(Halt(h["reason"] or "fatal", h["status"], h["message"]))
+        lines.append(f"last run     halted: {what} — {then}")
     return "\n".join(lines)
 
 
@@ -133,16 +191,23 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
     if path is None:
         assert out is not None
         return _write(records, outcome, fmt, fields, out)
+    # atomic: a temp file next to the target, fsynced, then renamed over it; readers of the
+    # target see the old file or the complete new one, never a partial export
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             n = _write(records, outcome, fmt, fields, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
         raise
     return n
 

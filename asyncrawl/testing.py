@@ -99,9 +99,18 @@ def _crc(salt: bytes, item_id: str) -> int:
     return zlib.crc32(salt + item_id.encode("utf-8", "surrogatepass"))
 
 
-def payload_for(item_id: str) -> dict[str, Any]:
-    """The deterministic JSON object a successful (200) answer carries for ``item_id``."""
-    return {"id": item_id, "title": f"Item {item_id}", "value": _crc(b"value:", item_id) % 100_000}
+def payload_for(item_id: str, *, pad: int = 0) -> dict[str, Any]:
+    """The deterministic JSON object a successful (200) answer carries for ``item_id``.
+
+    ``pad``: add a ``"pad"`` string of that many characters (a mock started with
+    ``payload_bytes=N`` answers ``payload_for(id, pad=N)``): large records for crash tests.
+    """
+    payload: dict[str, Any] = {"id": item_id, "title": f"Item {item_id}",
+                               "value": _crc(b"value:", item_id) % 100_000}
+    if pad > 0:
+        seed = f"{_crc(b'pad:', item_id):08x}"
+        payload["pad"] = (seed * (pad // len(seed) + 1))[:pad]
+    return payload
 
 
 # Per-mille shares of the demo mixture; the remaining 850 are ok.
@@ -178,6 +187,7 @@ class MockAPI:
         quota: a hard limit in requests per second (a fixed 1-second window); None: no limit.
         outage: ``(start, duration)``: every authorized request answers 503 (no Retry-After)
             from ``start`` to ``start + duration`` seconds after the first request.
+        payload_bytes: pad every payload with that many characters (``payload_for(id, pad=N)``).
     """
 
     def __init__(
@@ -190,6 +200,7 @@ class MockAPI:
         log_path: str | os.PathLike[str] | None = None,
         quota: float | None = None,
         outage: tuple[float, float] | None = None,
+        payload_bytes: int = 0,
     ) -> None:
         if faults is None:
             faults = no_faults
@@ -203,6 +214,9 @@ class MockAPI:
         self._log_path = log_path
         self._quota = quota
         self._outage = outage
+        if payload_bytes < 0:
+            raise ValueError("MockAPI payload_bytes must be >= 0")
+        self._pad = payload_bytes
         self._first_request: float | None = None
         self._window = -1
         self._window_count = 0
@@ -352,10 +366,10 @@ class MockAPI:
         if early and kind == "drop":
             return _Reply(0, drop=True)
         if early and kind == "invalid_json":
-            return _Reply(200, orjson.dumps(payload_for(item_id))[:-7])  # truncated: not JSON
+            return _Reply(200, orjson.dumps(payload_for(item_id, pad=self._pad))[:-7])  # truncated: not JSON
         if self._balance_left is not None:
             self._balance_left -= 1
-        return _Reply(200, orjson.dumps(payload_for(item_id)), billed=True,
+        return _Reply(200, orjson.dumps(payload_for(item_id, pad=self._pad)), billed=True,
                       wait=fault.delay if kind == "slow" else 0.0)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -419,6 +433,7 @@ async def _serve(args: argparse.Namespace) -> None:
         log_path=args.log,
         quota=args.quota,
         outage=args.outage,
+        payload_bytes=args.payload_bytes,
     )
     await api.start(args.host, args.port)
     try:
@@ -454,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage", type=_outage_arg, default=None, metavar="START,DURATION",
                         help="answer 503 to everything from START for DURATION seconds "
                              "(counted from the first request)")
+    parser.add_argument("--payload-bytes", type=int, default=0, metavar="N",
+                        help="pad every payload with N characters (large records)")
     args = parser.parse_args(argv)
     try:
         asyncio.run(_serve(args))

@@ -1,0 +1,211 @@
+"""SIGINT / SIGTERM at every stage of a run: pass 1 (in-flight requests finishing within the grace
+period, or cut off by it or by a second signal), the cool-down, and pass 2.
+
+Each time the run exits with 130 / 143 within the grace period, sends nothing new after the
+signal, keeps every answer it got, reports exactly the requests it cut off as in doubt, and the
+rerun fetches no ID that had succeeded. ``test_cli.py`` has the basic pass-1 case and two SIGINTs.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrawl.journal import load_state
+from asyncrawl.testing import LogEntry, read_log
+
+from .conftest import KEY, cli, write_config, write_ids
+from .test_cli import (
+    ENV,
+    answers,
+    durable_ok_ids,
+    export,
+    ids_of,
+    jsonl,
+    popen_cli,
+    settle_log,
+    starts,
+    status_json,
+    wait_until,
+)
+
+SIGNALS = [pytest.param(signal.SIGINT, 130, id="SIGINT"), pytest.param(signal.SIGTERM, 143, id="SIGTERM")]
+
+
+def signal_and_wait(proc: Any, *sigs: signal.Signals, between: float = 0.5,
+                    timeout: float = 60) -> tuple[int, float, float]:
+    """Send the signals (``between`` seconds apart); return (exit code, seconds from the last
+    signal to the exit, wall-clock time of the first signal)."""
+    sent_at = time.time()
+    for i, sig in enumerate(sigs):
+        if i:
+            time.sleep(between)
+            assert proc.poll() is None, "the run ended before the second signal"
+        proc.send_signal(sig)
+    t0 = time.monotonic()
+    try:
+        rc = proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return rc, time.monotonic() - t0, sent_at
+
+
+def started_after(log: list[LogEntry], t: float) -> list[str]:
+    return [e.id for e in log if e.event == "start" and e.t > t]
+
+
+def rerun_fetches_nothing_that_succeeded(cfg: Path, mock: Any, durable: set[str],
+                                         *flags: str) -> list[LogEntry]:
+    before = len(settle_log(mock.log_path))
+    r = cli("run", "-c", str(cfg), "--no-progress", *flags, env=ENV)
+    assert r.returncode == 0, r.stderr
+    log = read_log(mock.log_path)
+    assert not set(starts(log[before:])) & durable
+    return log
+
+
+# -- pass 1 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("sig", "code"), SIGNALS)
+def test_signal_in_pass_1_lets_requests_in_flight_finish_and_keeps_them(
+        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+    """Answers take 1 s, the grace period is 5 s: the requests in flight at the signal finish,
+    are recorded, and are neither in doubt nor fetched again."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "1")
+    ids = [f"p{i:04d}" for i in range(80)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 8}, run={"grace": 5})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) >= 20, proc)
+    rc, took, sent_at = signal_and_wait(proc, sig)
+    assert rc == code, (tmp_path / "run.err").read_text()
+    assert took < 5 + 2  # within the grace period
+    log = settle_log(mock.log_path)
+    assert started_after(log, sent_at + 0.5) == []  # nothing new after the signal
+    in_flight_at_signal = {e.id for e in log if e.event == "start" and e.t <= sent_at} - {
+        e.id for e in log if e.event == "end" and e.t <= sent_at}
+    assert 1 <= len(in_flight_at_signal) <= 8
+    durable = durable_ok_ids(state)
+    assert durable == set(answers(log))  # every answer, those given in the grace period too
+    assert in_flight_at_signal <= durable
+    assert export(cfg, "--outcome", "in-doubt") == ""  # nothing was cut off
+    s = status_json(cfg)
+    assert s["halt"] is not None and s["halt"]["reason"] == "signal"
+
+    log = rerun_fetches_nothing_that_succeeded(cfg, mock, durable, "--concurrency", "40")
+    assert answers(log) == collections.Counter(ids)  # each ID billed exactly once
+
+
+@pytest.mark.parametrize(("sigs", "grace"), [
+    pytest.param((signal.SIGTERM,), 1, id="grace-expires"),
+    pytest.param((signal.SIGTERM, signal.SIGINT), 60, id="second-signal"),
+])
+def test_requests_cut_off_by_the_grace_period_are_exactly_the_in_doubt_ones(
+        tmp_path: Path, mock_process: Any, sigs: tuple[signal.Signals, ...], grace: float) -> None:
+    """Answers take 4 s: the grace period (1 s), or a second signal, cuts the 4 requests in flight
+    off. Those, and only those, are in doubt; the rerun fetches them again and reports them as
+    possibly billed twice."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "4")
+    ids = [f"c{i}" for i in range(6)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 4}, run={"grace": grace})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) == 4, proc, timeout=30)
+    rc, took, sent_at = signal_and_wait(proc, *sigs)
+    assert rc == 143, (tmp_path / "run.err").read_text()  # the first signal decides the code
+    assert took < 3.5  # the grace period (1 s) or the second signal ended it, not the answers
+    if grace == 1:
+        assert took > 0.5  # ... after waiting for the grace period
+    log = settle_log(mock.log_path)
+    assert started_after(log, sent_at + 0.5) == []
+    assert durable_ok_ids(state) == set()
+    cut_off = set(starts(log))
+    assert len(cut_off) == 4
+    in_doubt = jsonl(export(cfg, "--outcome", "in-doubt"))
+    assert {o["id"]: o["refetched"] for o in in_doubt} == dict.fromkeys(cut_off, False)
+    s = status_json(cfg)
+    assert s["in_doubt"] == 4 and s["halt"]["reason"] == "signal"
+
+    rerun_fetches_nothing_that_succeeded(cfg, mock, set(), "--concurrency", "8")
+    in_doubt = jsonl(export(cfg, "--outcome", "in-doubt"))
+    assert {o["id"]: o["refetched"] for o in in_doubt} == dict.fromkeys(cut_off, True)
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == ids
+
+
+# -- the cool-down and pass 2 ------------------------------------------------------------------
+
+
+def _two_pass_job(tmp_path: Path, mock_process: Any, failing: list[str], **retry: Any) -> tuple[
+        Any, Path, Path, list[str]]:
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    good = ids_of("ok", 100)
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state,
+                       write_ids(tmp_path / "ids.txt", good + failing),
+                       passes={"cooldown": 5}, retry=retry)
+    return mock, state, cfg, good
+
+
+@pytest.mark.parametrize(("sig", "code"), SIGNALS)
+def test_signal_during_the_cool_down_skips_pass_2_at_once(
+        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+    missing = ids_of("not_found", 1)[0]  # 404: failed in pass 1, so pass 2 is pending
+    mock, state, cfg, good = _two_pass_job(tmp_path, mock_process, [missing])
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+
+    def pass_1_done() -> bool:
+        return load_state(state).counts() == {"ok": len(good), "failed": 1, "unavailable": 0}
+
+    wait_until(pass_1_done, proc)
+    t_pass_1 = time.monotonic()
+    rc, took, _ = signal_and_wait(proc, sig)
+    assert rc == code, (tmp_path / "run.err").read_text()
+    assert time.monotonic() - t_pass_1 < 5  # well before the cool-down (5 s) was over
+    assert took < 2 + 1.5  # within the grace period (nothing was in flight)
+    assert "stopped early" in (tmp_path / "run.out").read_text()
+    log = settle_log(mock.log_path)
+    assert starts(log)[missing] == 1  # pass 2 never started
+    durable = durable_ok_ids(state)
+    assert durable == set(good)
+    s = status_json(cfg)
+    assert (s["ok"], s["failed"], s["unavailable"]) == (len(good), 1, 0)
+    assert s["halt"]["reason"] == "signal"
+
+    log = rerun_fetches_nothing_that_succeeded(cfg, mock, durable, "--cooldown", "0")
+    assert starts(log)[missing] == 3  # the rerun's pass 1 and pass 2
+    assert [o["id"] for o in jsonl(export(cfg, "--outcome", "unavailable"))] == [missing]
+
+
+@pytest.mark.parametrize(("sig", "code"), SIGNALS)
+def test_signal_during_pass_2(tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+    gone = ids_of("gone", 3)  # 500 on every attempt: retried with backoff in both passes
+    mock, state, cfg, good = _two_pass_job(tmp_path, mock_process, gone, max_tries=3,
+                                           backoff_base=0.5, backoff_max=1, jitter="none")
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress", "--cooldown", "0.5")
+    # pass 2 has begun once a failing ID got its 4th request (3 tries in pass 1)
+    wait_until(lambda: max(starts(read_log(mock.log_path))[g] for g in gone) >= 4, proc)
+    rc, took, sent_at = signal_and_wait(proc, sig)
+    assert rc == code, (tmp_path / "run.err").read_text()
+    assert took < 2 + 1.5  # within the grace period: parked retries are not waited for
+    log = settle_log(mock.log_path)
+    assert started_after(log, sent_at + 0.5) == []
+    assert all(starts(log)[g] < 3 + 3 for g in gone)  # pass 2 was cut short
+    durable = durable_ok_ids(state)
+    assert durable == set(good)
+    s = status_json(cfg)
+    assert (s["ok"], s["failed"], s["unavailable"]) == (len(good), 3, 0)  # still failed
+
+    rerun_fetches_nothing_that_succeeded(cfg, mock, durable, "--cooldown", "0")
+    unavailable = jsonl(export(cfg, "--outcome", "unavailable"))
+    assert {o["id"]: o["status"] for o in unavailable} == dict.fromkeys(gone, 500)
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == sorted(good)
