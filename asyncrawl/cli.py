@@ -356,6 +356,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_QUOTA = 1200  # the mock's requests per second; past it: 429 + Retry-After
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .testing import MockAPI, demo_faults
 
@@ -369,12 +372,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f.write(f"note-{i:06d}\n")
     api_key = "demo-key"
     print(f"asyncrawl demo: {args.ids:,} IDs against a local mock API with injected faults "
-          "(404, 400, 5xx, 429 + Retry-After, slow and dropped connections, bad JSON)")
+          f"(404, 400, 5xx, a {DEMO_QUOTA:,} req/s quota enforced with 429 + Retry-After, slow "
+          "and dropped connections, bad JSON)")
 
     handler = setup_logging(Config(url="http://demo/{id}"), "text", None)
 
     async def main() -> Summary:
-        async with MockAPI(faults=demo_faults, api_key=api_key) as api:
+        async with MockAPI(faults=demo_faults, api_key=api_key, quota=DEMO_QUOTA) as api:
             config = Config(url=api.item_url, ids=str(ids_file), state_dir=state,
                             headers={"X-Api-Key": api_key}, rate=args.rate,
                             burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,

@@ -379,6 +379,9 @@ class Crawler:
             self.retries += workers.retries
             self._workers = None
             self._cut_off |= workers.flying  # requests cancelled in flight: possibly billed
+            for item in workers.unsettled():
+                if item.paid:  # billed answers (e.g. a 2xx that did not parse) of an unsettled ID
+                    self._writer.put(Record("billed", item.id, paid=item.paid))  # type: ignore[union-attr]
         for t in (producer, feeder, *tasks):
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
@@ -450,6 +453,9 @@ class Crawler:
                 self.failed += 1
             elif kind == "unavailable":
                 self.unavailable += 1
+            elif kind == "billed":
+                self.billable += rec.paid
+                continue
             else:
                 continue
             self.billable += rec.paid

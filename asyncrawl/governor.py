@@ -38,7 +38,8 @@ class RateController:
       share`` (or the answers accepted in the second before the episode, if more), a sharp
       estimate; otherwise (a burst at the start, or right after a pause, when
       a windowed quota lets through more than it sustains) only the accepted answers per
-      wall-clock second are trusted, a low estimate not kept as the ceiling. The rate becomes
+      wall-clock second are trusted, a low estimate not kept as the ceiling (and a lone 429,
+      the first in five seconds, is too little to go on: the rate only drops 5%). The rate becomes
       ``min(0.95 × rate, 0.97 × q)`` (``0.95 × q`` for a low estimate), at least a tenth of
       the rate.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
@@ -129,6 +130,10 @@ class RateController:
             quota = max(quota, min(float(self._recent_at_episode), self.rate))
             self.ceiling = max(quota, self.min_rate)
             target = 0.97 * quota
+        elif self._limited <= 1 and now - self._last_cut > 5.0:
+            # A lone "too many requests" right after a pause or at the start: too little to
+            # estimate from; back off a little (a real quota overrun brings many at once).
+            target = 0.95 * self.rate
         else:
             quota = self._accepted / wall
             self.ceiling = None
@@ -355,17 +360,18 @@ class Governor:
             return Ticket(now, probe)
 
     def on_response(self, ticket: Ticket, item_id: str, *, limited: bool, failed: bool,
-                    retry_after: float | None) -> None:
-        """Feed an answer back. ``limited``: a 429; ``failed``: another retryable failure."""
+                    retry_after: float | None, evidence: bool = True) -> None:
+        """Feed an answer back. ``limited``: a 429; ``failed``: another retryable failure;
+        ``evidence``: the answer may count towards opening the breaker (an ID's first try:
+        retries of IDs that already failed say nothing about the upstream as a whole)."""
         now = self._loop.time()
         if self.controller is not None:
             self.controller.on_response(now, ticket.sent_at, limited)
         if retry_after is not None and (limited or failed):
             self.pause(retry_after)
-        if self.breaker is not None and not limited:
-            self.breaker.on_response(now, item_id, failed, ticket.probe)
-        elif self.breaker is not None and ticket.probe:
-            self.breaker.on_response(now, item_id, True, True)
+        if self.breaker is not None and (evidence or ticket.probe):
+            self.breaker.on_response(now, item_id, failed or (limited and ticket.probe),
+                                     ticket.probe)
 
 
 class Budget:

@@ -8,7 +8,8 @@ Layout of a state directory::
 
 Record kinds (``k``): ``run`` (a run started), ``sent`` (a request for the ID is about to be
 sent: durable *before* the request leaves), ``ok`` / ``failed`` / ``unavailable`` (an ID's
-outcome, with its payload or error), ``halt`` (why a run stopped early), ``end`` (a run ended,
+outcome, with its payload or error), ``billed`` (2xx answers of an ID left unsettled at the end
+of a pass, so the bill adds up), ``halt`` (why a run stopped early), ``end`` (a run ended,
 with the IDs whose request was cut off in flight). The latest outcome record of an ID is its
 state, except that ``ok`` is final.
 
@@ -74,6 +75,8 @@ class Record:
         if self.kind in OUTCOME_KINDS:
             d["p"] = self.pass_no
             d["n"] = self.tries
+            d["paid"] = self.paid
+        elif self.kind == "billed":
             d["paid"] = self.paid
         if self.error is not None:
             d["e"] = self.error
@@ -180,6 +183,8 @@ class State:
                 self.in_doubt[item] = True
             if rec.get("paid"):
                 self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
+        elif kind == "billed":
+            self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
         elif kind == "run":
             self.close_run(crashed=True)
             self.runs += 1

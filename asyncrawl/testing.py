@@ -120,9 +120,7 @@ _DEMO_MIX: tuple[tuple[int, Fault], ...] = (
     (10, Fault("gone")),
     (25, Fault("flaky", times=1)),
     (25, Fault("flaky", times=2)),
-    (28, Fault("flaky", times=1)),  # 429s are rare per ID: each one pauses the whole job
-    (1, Fault("rate_limited", retry_after=1.0)),
-    (1, Fault("rate_limited", retry_after=1.0, http_date=True)),
+    (30, Fault("flaky", times=1)),  # no per-ID 429s: real 429s come from a quota (``quota=``)
     (10, Fault("slow", delay=0.2)),
     (10, Fault("drop", times=2)),  # aiohttp silently resends a GET once after a drop
     (10, Fault("invalid_json", times=1)),
@@ -133,9 +131,9 @@ _DEMO_TABLE: tuple[Fault, ...] = tuple(f for n, f in _DEMO_MIX for _ in range(n)
 def demo_faults(item_id: str) -> Fault:
     """A deterministic mixture chosen by ``zlib.crc32`` of the ID: about 15% of IDs misbehave.
 
-    3% not_found, 1% bad_request, 1% gone, 7.8% flaky (``times`` 1 or 2), 0.2% rate_limited
-    (half with an HTTP-date ``Retry-After``), 1% slow (0.2 s), 1% drop (twice: the client sees
-    it), 1% invalid_json; the rest are ok.
+    3% not_found, 1% bad_request, 1% gone, 8% flaky (``times`` 1 or 2), 1% slow (0.2 s), 1%
+    drop (twice: the client sees it), 1% invalid_json; the rest are ok. No per-ID 429s: a real
+    server says 429 when a client exceeds its quota, so ``asyncrawl demo`` sets ``quota=``.
     """
     bucket = _crc(b"fault:", item_id) % 1000
     return _DEMO_TABLE[bucket] if bucket < len(_DEMO_TABLE) else _OK

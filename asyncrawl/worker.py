@@ -51,6 +51,10 @@ class Parking:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def items(self) -> list[Item]:
+        """The parked IDs (for the crawler's bookkeeping at the end of a pass)."""
+        return [item for _, _, item in self._heap]
+
     def __repr__(self) -> str:
         nxt = self._heap[0][0] - self._loop.time() if self._heap else None
         return f"<Parking parked={len(self._heap)} next_due_in={nxt}>"
@@ -68,8 +72,11 @@ class Parking:
             due = self._heap[0][0] - self._loop.time()
             if due > 0:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):  # wake early if an earlier ID gets parked
-                    await asyncio.wait_for(self._wake.wait(), due)
+                # Wake early if an earlier ID gets parked. (asyncio.timeout, not wait_for: on
+                # 3.11 wait_for can swallow a cancellation that races with its timeout.)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(due):
+                        await self._wake.wait()
                 continue
             _, _, item = heapq.heappop(self._heap)
             if item.needs_budget and self._budget is not None:
@@ -116,6 +123,7 @@ class Worker:
         self.pass_no = pass_no
         self.in_flight = 0
         self.flying: set[str] = set()  # IDs whose request is out; left here if cut off
+        self.held: dict[int, Item] = {}  # items a worker has taken and not yet passed on
         self.idle = asyncio.Event()
         self.idle.set()
         self.requests = 0
@@ -129,6 +137,7 @@ class Worker:
         gov = self.governor
         while not self.halted.is_set():
             item = await self.queue.get()
+            self.held[id(item)] = item
             ticket = await gov.acquire()
             if not await self.budget.reserve():
                 self.halt("budget", None)
@@ -148,6 +157,8 @@ class Worker:
             if self.in_flight == 0:
                 self.idle.set()
             self.budget.release(attempt.billable)
+            # Only first tries in pass 1 tell an outage from bad IDs (pass 2 is all bad IDs).
+            evidence = item.tries == 0 and self.pass_no == 1
             if item.tries == 0 and gov.retry_budget is not None:
                 gov.retry_budget.on_first_try()
             item.tries += 1
@@ -158,16 +169,25 @@ class Worker:
             if retry_after is not None:
                 retry_after = min(retry_after, self.config.retry_after_max)
             gov.on_response(ticket, item.id, limited=limited, failed=retry and not limited,
-                            retry_after=retry_after)
-            if retry and not limited and gov.breaker_open:
+                            retry_after=retry_after, evidence=evidence)
+            if retry and not limited and gov.breaker_open and not ticket.probe:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
+                # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1
+                del self.held[id(item)]
                 self.parking.park(item, 0.0)
                 continue
             item.needs_budget = retry and not limited
+            del self.held[id(item)]
             self.handle(item, attempt)
             if self.budget.exhausted:
                 self.halt("budget", None)
+
+    def unsettled(self) -> list[Item]:
+        """Items this pass still holds (parked, queued, in a worker's hand): after its end,
+        the ones that were answered 2xx without being settled need their bill recorded."""
+        queued = list(self.queue._queue)  # type: ignore[attr-defined]  # the pass is over
+        return [*self.parking.items(), *queued, *self.held.values()]
 
     def handle(self, item: Item, attempt: Attempt) -> None:
         outcome = attempt.outcome

@@ -644,7 +644,7 @@ def test_the_key_is_never_written_anywhere(tmp_path: Path, mock_process: Any) ->
     assert lines
     parsed = [json.loads(line) for line in lines]
     assert all({"ts", "level", "msg"} <= set(p) for p in parsed)
-    assert any("progress" in p for p in parsed)
+    assert any(p.get("event") == "summary" for p in parsed)  # the run's own record of itself
 
 
 # -- 9. progress off a terminal ----------------------------------------------------------------
