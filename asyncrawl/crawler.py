@@ -39,8 +39,8 @@ from .errors import AsyncrawlError, StorageError
 from .fetch import Attempt, Classifier, Fetcher, Outcome, Request
 from .governor import Breaker, Budget, Governor, RetryBudget
 from .journal import Journal, Record, Writer
-from .source import file_ids, iter_ids, prescan_file
-from .worker import Item, Parking, Worker
+from .source import CHUNK_IDS, IdsFile, id_chunks, prescan_file
+from .worker import IdQueue, Item, Parking, Worker
 
 log = logging.getLogger("asyncrawl")
 
@@ -291,7 +291,8 @@ class Crawler:
         budget = Budget(self._budget_limit)
         fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify)
         seen: set[str] = set()
-        source: AsyncIterator[str] = file_ids(ids_path) if ids_path else iter_ids(ids or ())
+        source = (IdsFile(ids_path).chunks() if ids_path else ids.chunks()
+                  if isinstance(ids, IdsFile) else id_chunks(ids or ()))
         writer.put(Record("run", extra={"version": __version__, "pid": os.getpid()}))
         error: BaseException | None = None
         try:
@@ -327,34 +328,45 @@ class Crawler:
                 self.on_halt(self.halt, summary)
         return summary
 
-    async def _first_pass_ids(self, source: AsyncIterator[str], seen: set[str]) -> AsyncIterator[str]:
+    async def _first_pass_ids(self, source: AsyncIterator[list[str]],
+                              seen: set[str]) -> AsyncIterator[list[str]]:
         outcome = self._journal.state.outcome if self._journal else {}
-        async for item in source:
-            if item in seen:
-                self.duplicates += 1
-                continue
-            seen.add(item)
-            if outcome.get(item) in ("ok", "unavailable"):
-                self.skipped += 1
-                continue
-            yield item
+        async for chunk in source:
+            fresh = []
+            for item in chunk:
+                if item in seen:
+                    self.duplicates += 1
+                    continue
+                seen.add(item)
+                if outcome.get(item) in ("ok", "unavailable"):
+                    self.skipped += 1
+                    continue
+                fresh.append(item)
+            if fresh:
+                yield fresh
 
-    async def _second_pass_ids(self) -> AsyncIterator[str]:
+    async def _second_pass_ids(self) -> AsyncIterator[list[str]]:
         failed, self._failed = self._failed, {}
+        chunk: list[str] = []
         for item, (permanent, status, error, tries) in failed.items():
             if permanent and not self.config.recheck_permanent:
                 self._settle(Item(item, tries), "unavailable",
                              Attempt(Outcome.SKIP, status, error=error),
                              permanent=True, count_pass=False)
                 continue
-            yield item
+            chunk.append(item)
+            if len(chunk) >= CHUNK_IDS:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
 
-    async def _pass(self, pass_no: int, ids: AsyncIterator[str], fetcher: Fetcher,
+    async def _pass(self, pass_no: int, ids: AsyncIterator[list[str]], fetcher: Fetcher,
                     budget: Budget) -> None:
         cfg = self.config
         self.pass_no = pass_no
         self._wake.clear()
-        queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max(64, 2 * cfg.concurrency))
+        queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
         parking = Parking(queue, self._governor.retry_budget if self._governor else None)
         workers = self._workers = Worker(
             config=cfg, queue=queue, parking=parking, governor=self._governor,  # type: ignore[arg-type]
@@ -394,12 +406,16 @@ class Crawler:
         if not task.cancelled() and task.exception() is not None:
             self._wake.set()  # a task died: wake the pass so the error surfaces
 
-    async def _produce(self, ids: AsyncIterator[str], queue: asyncio.Queue[Item]) -> None:
-        async for item in ids:
-            if self.halted.is_set():
+    async def _produce(self, ids: AsyncIterator[list[str]], queue: IdQueue) -> None:
+        halted = self.halted
+        async for chunk in ids:
+            for item in chunk:
+                if halted.is_set():
+                    break
+                self._outstanding += 1
+                await queue.put(Item(item))
+            if halted.is_set():
                 break
-            self._outstanding += 1
-            await queue.put(Item(item))
         self._feeding = False
         if self._outstanding == 0:
             self._wake.set()
@@ -430,9 +446,13 @@ class Crawler:
                 count_pass: bool = True) -> None:
         """A worker's final word on an ID for this pass: queue its record for the writer."""
         assert self._writer is not None
+        # The journal gets an ok answer's body as received; the parsed payload is kept only
+        # for the on_result hook (and for a body the journal cannot take as is).
+        body = attempt.body
+        keep = self.on_result is not None or body is None or b"\n" in body
         rec = Record(kind, item.id, status=attempt.status, error=attempt.error,
-                     permanent=permanent, data=attempt.data, pass_no=self.pass_no,
-                     tries=item.tries, paid=item.paid)
+                     permanent=permanent, data=attempt.data if keep else None, pass_no=self.pass_no,
+                     tries=item.tries, paid=item.paid, raw=body)
         self._writer.put(rec)
         if kind == "failed":
             self._failed[item.id] = (permanent, attempt.status, attempt.error, item.tries)

@@ -28,7 +28,7 @@ import re
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote
 
 import aiohttp
@@ -90,9 +90,9 @@ class Response:
     body_ok: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """The result of one attempt."""
+class Attempt(NamedTuple):
+    """The result of one attempt (a tuple: one is made per request). ``body`` is the raw body of
+    an ``OK`` answer, ``data`` the payload parsed from it."""
 
     outcome: Outcome
     status: int | None = None
@@ -100,6 +100,7 @@ class Attempt:
     error: str | None = None
     retry_after: float | None = None
     billable: bool = False
+    body: bytes | None = None
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]
@@ -125,7 +126,7 @@ _TEMPLATE_SAFE = "%:/?#[]@!$&'()*+,;=~-._"
 class RequestBuilder:
     """Turns an ID into a ``Request`` from the config's URL template, params and headers."""
 
-    __slots__ = ("_headers", "_method", "_parts", "_query_parts")
+    __slots__ = ("_fast", "_headers", "_method", "_parts", "_query_parts")
 
     def __init__(self, config: Config) -> None:
         self._method = config.method
@@ -140,9 +141,38 @@ class RequestBuilder:
         self._query_parts = [
             (k, [quote(p, safe="") for p in pieces]) for k, pieces in query
         ]
+        self._fast = self._fast_parts()
+
+    def _fast_parts(self) -> tuple[str, str, list[str], str] | None:
+        """When ``{id}`` is only in the template's path and params carry no ``{id}``: scheme,
+        authority, path pieces and query string, so that a URL is assembled without parsing."""
+        if len(self._parts) < 2 or any(len(p) > 1 for _, p in self._query_parts):
+            return None
+        marker = "asyncrawl0id0marker"
+        template = marker.join(self._parts)
+        if template.count(marker) != len(self._parts) - 1:
+            return None
+        try:
+            url = URL(template, encoded=True)
+        except ValueError:
+            return None
+        if not url.absolute or url.raw_fragment or marker in url.raw_query_string \
+                or marker in (url.raw_authority or "") \
+                or url.raw_path.count(marker) != len(self._parts) - 1:
+            return None
+        qs = url.raw_query_string
+        if self._query_parts:
+            extra = "&".join(f"{k}={pieces[0]}" for k, pieces in self._query_parts)
+            qs = f"{qs}&{extra}" if qs else extra
+        return url.scheme, url.raw_authority, url.raw_path.split(marker), qs
 
     def __call__(self, item_id: str) -> Request:
         enc = encode_id(item_id)
+        if self._fast is not None:
+            scheme, authority, path, qs = self._fast
+            return Request(self._method, URL.build(
+                scheme=scheme, authority=authority, path=enc.join(path), query_string=qs,
+                encoded=True), self._headers)
         url = enc.join(self._parts)
         if self._query_parts:
             q = "&".join(f"{k}={enc.join(pieces)}" for k, pieces in self._query_parts)
@@ -189,6 +219,9 @@ class Fetcher:
         self.request_for = request_for or RequestBuilder(config)
         self.classify = classify
         self.timeout = client_timeout(config)
+        # a 200 is OK when its body parses, unless a hook or the config may say otherwise
+        self._plain_200 = (classify is None and not config.error_field
+                           and status_class(200, config) is Outcome.OK)
         self._ssl = tls_context(config)
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
@@ -227,7 +260,17 @@ class Fetcher:
                             method, body = "GET", None
                         url = target
                         continue
-                    data = await self._read(resp)
+                    length = resp.content_length
+                    if length is not None and length <= cfg.max_body_bytes \
+                            and "Content-Encoding" not in resp.headers:
+                        data = await resp.read()  # the common case: no decompression to watch
+                    else:
+                        data = await self._read(resp)
+                    if status == 200 and self._plain_200 and data is not None:
+                        try:
+                            return Attempt(Outcome.OK, 200, orjson.loads(data), None, None, True, data)
+                        except orjson.JSONDecodeError:
+                            pass  # classified below
                     return self._classify(item_id, status, resp.headers, data)
             raise AssertionError("unreachable")  # pragma: no cover
         except aiohttp.ClientConnectorCertificateError as e:
@@ -298,7 +341,7 @@ class Fetcher:
             if not body_ok:
                 return Attempt(Outcome.RETRY, status, error="2xx body is not valid JSON",
                                billable=billable)
-            return Attempt(Outcome.OK, status, data=data, billable=billable)
+            return Attempt(Outcome.OK, status, data=data, billable=billable, body=body)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"
         if not body_ok and 200 <= status < 300:
             error = "2xx body is not valid JSON"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from aiolimiter import AsyncLimiter
 
@@ -274,8 +274,7 @@ class RetryBudget:
         return (1.0 - self.tokens) / self.floor if self.floor > 0 else 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
+class Ticket(NamedTuple):
     """Handed out by ``Governor.acquire``; given back with the answer."""
 
     sent_at: float

@@ -17,7 +17,7 @@ state, except that ``ok`` is final.
 run that crashed, every ``sent`` ID with no outcome record after it; in a run that ended, the
 IDs its ``end`` record lists. A later ``ok`` for such an ID makes it "possibly billed twice".
 
-Only ``Writer`` (one task) appends. It takes every record queued since its last write, writes
+Only ``Writer`` (one thread) appends. It takes every record queued since its last write, writes
 them in one go and fsyncs once (group commit); only then are they *committed* and reported to the
 crawler. A crash can only tear the last write: on open, a tail of invalid lines is cut off
 (``repair``); an invalid line *followed by* a valid record is damage, reported with its offset.
@@ -30,14 +30,15 @@ import contextlib
 import errno
 import fcntl
 import os
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import aiofiles
 import orjson
 
 from .errors import JournalCorrupt, LockedError, StorageError
@@ -50,33 +51,49 @@ HEADER = orjson.dumps({"asyncrawl_journal": FORMAT_VERSION}) + b"\n"
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One line of the journal. ``data`` is the parsed payload of an ``ok`` record."""
-
+class _RecordFields(NamedTuple):
     kind: str
-    id: str | None = None
-    status: int | None = None
-    error: str | None = None
-    permanent: bool = False
-    data: Any = None
-    pass_no: int = 1
-    tries: int = 0
-    paid: int = 0
-    ts: float = field(default_factory=time.time)
-    extra: dict[str, Any] | None = None
+    id: str | None
+    status: int | None
+    error: str | None
+    permanent: bool
+    data: Any
+    pass_no: int
+    tries: int
+    paid: int
+    ts: float
+    extra: dict[str, Any] | None
+    raw: bytes | None
+
+
+class Record(_RecordFields):
+    """One line of the journal (immutable; a tuple, because a run makes two per request).
+
+    The payload of an ``ok`` record is ``raw``, the answer's body as received (written as is:
+    it parsed as JSON and has no line break), or else ``data``, the parsed payload, which is
+    serialised again. ``data`` may also ride along for the ``on_result`` hook."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: str, id: str | None = None, *, status: int | None = None,
+                error: str | None = None, permanent: bool = False, data: Any = None,
+                pass_no: int = 1, tries: int = 0, paid: int = 0, ts: float | None = None,
+                extra: dict[str, Any] | None = None, raw: bytes | None = None) -> Record:
+        return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
+                                   paid, time.time() if ts is None else ts, extra, raw))
 
     def encode(self) -> bytes:
-        d: dict[str, Any] = {"k": self.kind}
+        kind = self.kind
+        d: dict[str, Any] = {"k": kind}
         if self.id is not None:
             d["id"] = self.id
         if self.status is not None:
             d["s"] = self.status
-        if self.kind in OUTCOME_KINDS:
+        if kind in OUTCOME_KINDS:
             d["p"] = self.pass_no
             d["n"] = self.tries
             d["paid"] = self.paid
-        elif self.kind == "billed":
+        elif kind == "billed":
             d["paid"] = self.paid
         if self.error is not None:
             d["e"] = self.error
@@ -85,8 +102,11 @@ class Record:
         d["ts"] = round(self.ts, 3)
         if self.extra:
             d.update(self.extra)
-        if self.kind == "ok":
-            d["data"] = self.data
+        if kind == "ok":
+            raw = self.raw
+            if raw is not None and b"\n" not in raw:  # valid JSON (it parsed): splice it in
+                return orjson.dumps(d)[:-1] + b',"data":' + raw + b"}\n"
+            d["data"] = self.data if raw is None else orjson.loads(raw)
         return orjson.dumps(d) + b"\n"
 
 
@@ -256,12 +276,13 @@ def _fsync_dir(path: Path) -> None:
 class Journal:
     """The open, locked journal of one run. Use ``Journal.open``; close with ``close``."""
 
-    def __init__(self, state_dir: Path, lock_fd: int, state: State, file: Any, size: int = 0) -> None:
+    def __init__(self, state_dir: Path, lock_fd: int, state: State, size: int = 0) -> None:
         self.state_dir = state_dir
         self.path = state_dir / JOURNAL
         self.state = state
         self._lock_fd = lock_fd
-        self._file = file
+        self._fd = -1  # the append descriptor (``start_appending``)
+        self._writer_thread: threading.Thread | None = None
         self._durable = size  # the journal's length when its last fsync returned
 
     def __repr__(self) -> str:
@@ -327,37 +348,46 @@ class Journal:
         except OSError as e:
             os.close(lock_fd)
             raise StorageError(f"cannot open journal: {e.strerror}", path=d / JOURNAL) from None
-        return cls(d, lock_fd, state, None, size)
+        return cls(d, lock_fd, state, size)
 
     async def start_appending(self) -> None:
+        await asyncio.to_thread(self._start_appending_sync)
+
+    def _start_appending_sync(self) -> None:
         try:
-            self._file = await aiofiles.open(self.path, "ab")
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as e:
             raise StorageError(f"cannot open journal: {e.strerror}", path=self.path) from None
 
     async def append(self, data: bytes) -> None:
-        """Write ``data`` and fsync it. Raises ``StorageError``; after one, the journal is dead and
-        what the failed call wrote is cut off again: after a failed write or fsync it is not known
-        to be on disk, so a rerun must not take it for committed records."""
-        if self._file is None:
+        """``append_sync`` off the event loop."""
+        await asyncio.to_thread(self.append_sync, data)
+
+    def append_sync(self, data: bytes) -> None:
+        """Write ``data`` and fsync it (blocking: the writer's thread calls this). Raises
+        ``StorageError``; after one, the journal is dead and what the failed call wrote is cut off
+        again: after a failed write or fsync it is not known to be on disk, so a rerun must not
+        take it for committed records."""
+        fd = self._fd
+        if fd < 0:
             raise StorageError("journal is not open for appending", path=self.path)
         try:
-            await self._file.write(data)
-            await self._file.flush()
-            await asyncio.to_thread(os.fsync, self._file.fileno())
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
         except OSError as e:
-            await self._cut_uncommitted()
+            self._cut_uncommitted()
             raise StorageError(f"cannot write journal: {e.strerror or e}", path=self.path) from None
         self._durable += len(data)
 
-    async def _cut_uncommitted(self) -> None:
-        """Best effort after a failed append: close the file (its buffer may still be flushed,
-        so only then) and truncate the journal to its length at the last successful fsync."""
-        file, self._file = self._file, None
+    def _cut_uncommitted(self) -> None:
+        """Best effort after a failed append: close the descriptor and truncate the journal to
+        its length at the last successful fsync."""
+        fd, self._fd = self._fd, -1
         with contextlib.suppress(OSError):
-            await file.close()
-
-        def cut() -> None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
             fd = os.open(self.path, os.O_WRONLY)
             try:
                 if os.fstat(fd).st_size > self._durable:
@@ -366,15 +396,16 @@ class Journal:
             finally:
                 os.close(fd)
 
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(cut)
-
     async def close(self) -> None:
+        """Release the descriptor and the lock, once the writer's thread has stopped."""
+        thread, self._writer_thread = self._writer_thread, None
+        if thread is not None and thread.is_alive():
+            await asyncio.to_thread(thread.join)
         try:
-            if self._file is not None:
+            if self._fd >= 0:
                 with contextlib.suppress(OSError):
-                    await self._file.close()
-                self._file = None
+                    os.close(self._fd)
+                self._fd = -1
         finally:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)  # releases the flock
@@ -382,10 +413,14 @@ class Journal:
 
 
 class Writer:
-    """The single writer task: group-commits queued records and reports them once durable.
+    """The single writer: group-commits queued records and reports them once durable.
 
-    ``on_commit(records)`` is called after the fsync that made them durable returned. On a
-    storage error ``on_error(exc)`` is called once and nothing is written after it.
+    Records are encoded as they are queued (``put``, or ``commit`` to wait for durability). The
+    writer's own thread takes everything queued since its last write, writes it in one go and
+    fsyncs once (group commit), then hands the batch back to the event loop, which resolves the
+    ``commit`` futures and calls ``on_commit(records)``, in journal order. fsync never blocks the
+    loop, and a commit costs the loop one wake-up, not a round trip per step. On a storage error
+    ``on_error(exc)`` is called once and nothing is written after it.
     """
 
     def __init__(
@@ -400,8 +435,9 @@ class Writer:
         self.on_commit = on_commit
         self.on_error = on_error
         self.batch_limit = batch_limit
-        self._queue: asyncio.Queue[tuple[Record, asyncio.Future[bool] | None] | None] = (
-            asyncio.Queue())
+        self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self.failed: StorageError | None = None
         self.commits = 0
         self.written = 0
@@ -412,50 +448,103 @@ class Writer:
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks; the writer batches what accumulates)."""
-        self._queue.put_nowait((record, None))
+        self._queue.put((record, record.encode(), None))
 
-    async def commit(self, record: Record) -> bool:
-        """Queue a record and wait until it is durable: ``True``, or ``False`` if it cannot be."""
+    def commit(self, record: Record) -> asyncio.Future[bool]:
+        """Queue a record; the future says when it is durable: ``True``, or ``False`` if it
+        cannot be."""
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self.failed is not None:
-            return False
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((record, fut))
-        return await fut
+            fut.set_result(False)
+        else:
+            self._queue.put((record, record.encode(), fut))
+        return fut
 
     def close(self) -> None:
         """Ask the writer to commit what is queued and stop."""
-        self._queue.put_nowait(None)
+        self._queue.put(None)
 
     async def run(self) -> None:
-        q = self._queue
-        stop = False
-        while not stop:
-            first = await q.get()
-            batch: list[Record] = []
-            waiting: list[asyncio.Future[bool]] = []
-            entry = first
-            while True:
-                if entry is None:
-                    stop = True
+        """Run the writer's thread until ``close``. If this is cancelled, the writer still commits
+        what is queued, then stops; the journal's ``close`` waits for it."""
+        loop = self._loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        thread = threading.Thread(target=self._main, args=(done,), name="asyncrawl-writer",
+                                  daemon=True)
+        self.journal._writer_thread = thread
+        thread.start()
+        try:
+            await asyncio.shield(done)
+        finally:
+            if not done.done():  # cancelled
+                self.close()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(done)
+        if self._bug is not None:
+            raise self._bug
+
+    # -- the writer's thread -------------------------------------------------------------------
+
+    def _main(self, done: asyncio.Future[None]) -> None:
+        q, limit, journal = self._queue, self.batch_limit, self.journal
+        try:
+            stop = False
+            while not stop:
+                entry = q.get()
+                batch: list[_Entry] = []
+                while entry is not None:
+                    batch.append(entry)
+                    if len(batch) >= limit:
+                        break
+                    try:
+                        entry = q.get_nowait()
+                    except queue.Empty:
+                        break
                 else:
-                    batch.append(entry[0])
-                    if entry[1] is not None:
-                        waiting.append(entry[1])
-                if len(batch) >= self.batch_limit or q.empty():
-                    break
-                entry = q.get_nowait()
-            durable = False
-            if batch and self.failed is None:
-                try:
-                    await self.journal.append(b"".join(r.encode() for r in batch))
-                    durable = True
-                except StorageError as e:
-                    self.failed = e
-                    self.on_error(e)
-            for fut in waiting:
-                if not fut.done():
-                    fut.set_result(durable)
-            if durable:
-                self.commits += 1
-                self.written += len(batch)
-                self.on_commit(batch)
+                    stop = True
+                if not batch:
+                    continue
+                durable, error = False, None
+                if self.failed is None:
+                    try:
+                        journal.append_sync(b"".join([e[1] for e in batch]))
+                        durable = True
+                    except StorageError as e:
+                        error = e
+                    except Exception as e:  # a bug: stop writing, as for a storage error
+                        error = StorageError(f"journal writer failed: {type(e).__name__}: {e}",
+                                             path=journal.path)
+                    if error is not None:
+                        self.failed = error
+                self._post(self._done, batch, durable, error)
+        finally:
+            self._post(_resolve, done, None)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- back on the event loop ----------------------------------------------------------------
+
+    def _done(self, batch: list[_Entry], durable: bool, error: StorageError | None) -> None:
+        if error is not None:
+            self.on_error(error)
+        for _, _, fut in batch:
+            if fut is not None and not fut.done():
+                fut.set_result(durable)
+        if durable:
+            self.commits += 1
+            self.written += len(batch)
+            try:
+                self.on_commit([e[0] for e in batch])
+            except BaseException as e:  # a bug in the caller's bookkeeping: surface it in run()
+                self._bug = self._bug or e
+
+
+_Entry = tuple[Record, bytes, "asyncio.Future[bool] | None"]
+
+
+def _resolve(fut: asyncio.Future[None], value: None) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -4,7 +4,7 @@ An IDs file is UTF-8 text, one ID per line. A BOM, CRLF line ends, surrounding w
 blank lines are ignored. A line that is not UTF-8, holds a control character (e.g. NUL) or is
 longer than ``MAX_ID_LENGTH`` is an ``InputError`` naming the file and line. ``prescan_file``
 checks the whole file (and counts it, for the ETA) before any request is sent; ``file_ids`` then
-streams it, so memory does not grow with the file.
+streams it, so memory does not grow with the file. The crawler takes IDs a chunk (list) at a time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import aiofiles
 from .config import MAX_ID_LENGTH
 from .errors import InputError
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # bytes read from an IDs file at a time
+CHUNK_IDS = 1024  # IDs handed on at a time
 BOM = b"\xef\xbb\xbf"
 
 
@@ -90,8 +91,31 @@ def prescan_file(path: str) -> int:
     return n
 
 
-async def file_ids(path: str) -> AsyncIterator[str]:
-    """Stream the IDs of a file (already checked by ``prescan_file``) without blocking the loop."""
+class IdsFile:
+    """The IDs of a file (already checked by ``prescan_file``), streamed without blocking the
+    loop: an async iterable of IDs, and ``chunks()``, the same IDs a list at a time."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"IdsFile({self.path!r})"
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return _flatten(self.chunks())
+
+    def chunks(self) -> AsyncIterator[list[str]]:
+        return _file_chunks(self.path)
+
+
+def file_ids(path: str) -> IdsFile:
+    """Stream the IDs of a file (already checked by ``prescan_file``)."""
+    return IdsFile(path)
+
+
+async def _file_chunks(path: str) -> AsyncIterator[list[str]]:
     try:
         opened = aiofiles.open(path, "rb")
         f = await opened.__aenter__()
@@ -106,30 +130,59 @@ async def file_ids(path: str) -> AsyncIterator[str]:
                 break
             lines = (rest + chunk).split(b"\n")
             rest = lines.pop()
+            items: list[str] = []
             for raw in lines:
                 line += 1
                 item = parse_line(raw, path=path, line=line)
                 if item is not None:
-                    yield item
+                    items.append(item)
+            for i in range(0, len(items), CHUNK_IDS):
+                yield items[i:i + CHUNK_IDS]
         if rest:
             item = parse_line(rest, path=path, line=line + 1)
             if item is not None:
-                yield item
+                yield [item]
     finally:
         await opened.__aexit__(None, None, None)
 
 
-async def iter_ids(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
-    """IDs from a library caller's iterable or async iterable, each checked."""
+async def id_chunks(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[list[str]]:
+    """IDs from a library caller's iterable or async iterable, each checked, a list at a time
+    (the IDs before a bad one are handed on before its ``InputError``)."""
     n = 0
-    if isinstance(ids, AsyncIterable):
-        async for item in ids:
-            n += 1
-            yield _check(item, n)
-    else:
-        for item in ids:
-            n += 1
-            yield _check(item, n)
+    chunk: list[str] = []
+    try:
+        if isinstance(ids, AsyncIterable):
+            async for item in ids:
+                n += 1
+                chunk.append(_check(item, n))
+                if len(chunk) >= CHUNK_IDS:
+                    yield chunk
+                    chunk = []
+        else:
+            for item in ids:
+                n += 1
+                chunk.append(_check(item, n))
+                if len(chunk) >= CHUNK_IDS:
+                    yield chunk
+                    chunk = []
+    except InputError:
+        if chunk:
+            yield chunk
+        raise
+    if chunk:
+        yield chunk
+
+
+def iter_ids(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:
+    """IDs from a library caller's iterable or async iterable, each checked."""
+    return _flatten(id_chunks(ids))
+
+
+async def _flatten(chunks: AsyncIterator[list[str]]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        for item in chunk:
+            yield item
 
 
 def _check(item: object, n: int) -> str:

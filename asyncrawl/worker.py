@@ -18,7 +18,7 @@ import heapq
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .config import Config
 from .fetch import Attempt, Fetcher, Outcome
@@ -34,6 +34,19 @@ class Item:
     tries: int = 0
     paid: int = 0
     needs_budget: bool = False  # its next try is a retry the retry budget must allow
+
+
+class IdQueue(asyncio.Queue[Item]):
+    """The bounded queue between the producer and the workers.
+
+    An ``asyncio.Queue`` whose producer, once it found the queue full, is woken when the queue
+    has drained to half rather than at every ``get``: it then refills it in one go, instead of
+    waking up (a task switch) once per ID. Waiting getters are woken as usual."""
+
+    def _wakeup_next(self, waiters: Any) -> None:  # asyncio.Queue's hook for both kinds
+        if waiters is self._putters and self.qsize() > self.maxsize // 2:  # type: ignore[attr-defined]
+            return
+        super()._wakeup_next(waiters)  # type: ignore[misc]
 
 
 class Parking:
@@ -134,53 +147,65 @@ class Worker:
                 f"parked={len(self.parking)} in_flight={self.in_flight}>")
 
     async def run(self) -> None:
-        gov = self.governor
-        while not self.halted.is_set():
+        gov, budget, fetcher, halted = self.governor, self.budget, self.fetcher, self.halted
+        limited_budget = budget.limit is not None
+        first_pass = self.pass_no == 1
+        retry_after_max = self.config.retry_after_max
+        held, flying = self.held, self.flying
+        while not halted.is_set():
             item = await self.queue.get()
-            self.held[id(item)] = item
+            held[id(item)] = item
             ticket = await gov.acquire()
-            if not await self.budget.reserve():
+            if limited_budget and not await budget.reserve():
                 self.halt("budget", None)
                 return
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.
-            if self.halted.is_set() or not await self.intent(item.id) or self.halted.is_set():
-                self.budget.release(False)  # no await between the last check and the send
+            if halted.is_set() or not await self.intent(item.id) or halted.is_set():
+                budget.release(False)  # no await between the last check and the send
                 return
             self.in_flight += 1
-            self.flying.add(item.id)
+            flying.add(item.id)
             self.idle.clear()
             self.requests += 1
-            attempt = await self.fetcher.attempt(item.id)  # never raises but CancelledError
-            self.flying.discard(item.id)
+            attempt = await fetcher.attempt(item.id)  # never raises but CancelledError
+            flying.discard(item.id)
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.idle.set()
-            self.budget.release(attempt.billable)
-            # Only first tries in pass 1 tell an outage from bad IDs (pass 2 is all bad IDs).
-            evidence = item.tries == 0 and self.pass_no == 1
-            if item.tries == 0 and gov.retry_budget is not None:
+            budget.release(attempt.billable)
+            first_try = item.tries == 0
+            if first_try and gov.retry_budget is not None:
                 gov.retry_budget.on_first_try()
             item.tries += 1
             item.paid += attempt.billable
+            if attempt.outcome is Outcome.OK:  # the common case, in short
+                gov.on_response(ticket, item.id, limited=False, failed=False, retry_after=None,
+                                evidence=first_try and first_pass)
+                del held[id(item)]
+                self.settle(item, "ok", attempt, permanent=False)
+                if budget.exhausted:
+                    self.halt("budget", None)
+                continue
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
             retry_after = attempt.retry_after
             if retry_after is not None:
-                retry_after = min(retry_after, self.config.retry_after_max)
+                retry_after = min(retry_after, retry_after_max)
+            # Only first tries in pass 1 tell an outage from bad IDs (pass 2 is all bad IDs).
             gov.on_response(ticket, item.id, limited=limited, failed=retry and not limited,
-                            retry_after=retry_after, evidence=evidence)
+                            retry_after=retry_after, evidence=first_try and first_pass)
             if retry and not limited and gov.breaker_open and not ticket.probe:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
                 # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1
-                del self.held[id(item)]
+                del held[id(item)]
                 self.parking.park(item, 0.0)
                 continue
             item.needs_budget = retry and not limited
-            del self.held[id(item)]
+            del held[id(item)]
             self.handle(item, attempt)
-            if self.budget.exhausted:
+            if budget.exhausted:
                 self.halt("budget", None)
 
     def unsettled(self) -> list[Item]:

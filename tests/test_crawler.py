@@ -213,3 +213,35 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
         paid = api.paid()
     assert len(paid) == len(set(paid)) == len(ids)  # nothing paid for twice
     assert len(paid_before) >= first
+
+
+# -- the queue between the producer and the workers ----------------------------------------------
+
+
+async def test_id_queue_wakes_the_producer_at_half_not_at_every_get() -> None:
+    from asyncrawl.worker import IdQueue, Item
+
+    q = IdQueue(maxsize=64)
+    waits = 0
+
+    async def produce() -> None:
+        nonlocal waits
+        for i in range(1000):
+            if q.full():
+                waits += 1  # this put has to wait for room
+            await q.put(Item(str(i)))
+
+    got: list[str] = []
+
+    async def consume() -> None:
+        while len(got) < 1000:
+            got.append((await q.get()).id)
+            await asyncio.sleep(0)
+
+    # a getter cancelled while waiting loses nothing
+    waiting = asyncio.create_task(q.get())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    await asyncio.gather(produce(), consume())
+    assert got == [str(i) for i in range(1000)]  # FIFO, nothing lost or doubled
+    assert waits <= (1000 - 64) // 32 + 1  # one wake-up per 32 IDs, not one per ID

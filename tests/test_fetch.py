@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
@@ -270,6 +271,30 @@ def test_request_builder_keeps_host_and_path(item: str) -> None:
     assert req.method == "GET"
 
 
+_TEMPLATES = [
+    ("https://api.example.com/v1/n/{id}", {}),
+    ("http://u:p@h:8080/a%20b/{id}.json?x=1&y", {"k": "v w", "n": 3}),
+    ("http://[::1]:8080/{id}/x/{id}", {}),
+    ("HTTP://Example.COM:80/ü/{id}?", {}),
+    ("http://h/items?id={id}", {}),  # {id} in the query: the general path
+    ("http://h/items", {"id": "{id}"}),
+]
+
+
+@pytest.mark.parametrize(("url", "params"), _TEMPLATES)
+@given(item=_valid_ids)
+def test_request_builder_fast_path_builds_the_same_url(url: str, params: dict[str, object],
+                                                        item: str) -> None:
+    """The URL assembled from parts (``{id}`` only in the path) equals the parsed one."""
+    build = RequestBuilder(Config(url=url, params=params))
+    fast = build(item).url
+    build._fast = None  # the general path: fill the template, parse it
+    slow = build(item).url
+    assert str(fast) == str(slow) and fast == slow
+    assert (fast.host, fast.port, fast.raw_path, fast.raw_query_string) == (
+        slow.host, slow.port, slow.raw_path, slow.raw_query_string)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(item=_valid_ids)
 @example(item="{id}")
@@ -288,7 +313,9 @@ async def test_server_decodes_any_id(server: Server, session: aiohttp.ClientSess
 
 async def test_200_json_is_ok(server: Server, session: aiohttp.ClientSession) -> None:
     a = await attempt(session, server.base + "/r/{id}", "ok")
-    assert a == Attempt(Outcome.OK, 200, data={"hello": "wörld", "n": [1, 2]}, billable=True)
+    assert a == Attempt(Outcome.OK, 200, data={"hello": "wörld", "n": [1, 2]}, billable=True,
+                        body=a.body)
+    assert a.body is not None and orjson.loads(a.body) == a.data  # the body as received
     assert server.hits[0][1]["X-Api-Key"] == KEY
     assert server.hits[0][1]["Accept"] == "application/json"
 

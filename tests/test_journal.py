@@ -49,6 +49,30 @@ async def reopen(state: Path) -> Journal:
     return j
 
 
+def test_ok_record_keeps_the_body_as_received() -> None:
+    raw = b'{"b": 1.50, "a":[1 ,2], "big": 123456789012345678901234567890}'
+    line = Record("ok", "x", status=200, raw=raw, data={"ignored": True}, ts=TS).encode()
+    assert raw in line and line.endswith(b"}\n") and line.count(b"\n") == 1
+    assert orjson.loads(line)["data"] == orjson.loads(raw)
+    # a body with line breaks (pretty-printed JSON) is written again on one line
+    pretty = b'{\n  "a": [1,\n 2]\n}\n'
+    line = Record("ok", "y", status=200, raw=pretty, ts=TS).encode()
+    assert line.count(b"\n") == 1 and orjson.loads(line)["data"] == {"a": [1, 2]}
+    # without a body, the parsed payload
+    assert orjson.loads(Record("ok", "z", data=[1], ts=TS).encode())["data"] == [1]
+
+
+async def test_raw_bodies_replay_and_repair(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    raws = [b'{"n":1}', b' [ "sp aced" ] ', b'{"s":"a\\nb"}', b'{\n"multi":\n"line"}']
+    recs = [Record("ok", f"r{i}", status=200, raw=r, ts=TS) for i, r in enumerate(raws)]
+    full = HEADER + body(recs)
+    write_raw(state, full[:-3])  # the last record torn
+    j = await Journal.open(state)
+    await j.close()
+    assert [r["data"] for _, r in scan(state / JOURNAL)] == [orjson.loads(r) for r in raws[:-1]]
+
+
 # -- creation and the writer ---------------------------------------------------------------------
 
 
@@ -131,10 +155,8 @@ async def test_writer_commits_while_running(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 async def test_writer_storage_error_stops_writing(tmp_path: Path) -> None:
-    import aiofiles
-
     j = await Journal.open(tmp_path / "state")
-    j._file = await aiofiles.open("/dev/full", "ab")  # every write fails with ENOSPC
+    j._fd = os.open("/dev/full", os.O_WRONLY)  # every write fails with ENOSPC
     committed: list[Record] = []
     errors: list[StorageError] = []
     w = Writer(j, on_commit=committed.extend, on_error=errors.append)

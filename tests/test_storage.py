@@ -1,7 +1,7 @@
 """Storage faults: disk full (ENOSPC) and I/O errors (EIO) on the journal's write and fsync.
 
-The faults are injected at the journal's file layer (``JournalFaults``: the append file's
-``write`` and ``os.fsync`` of its descriptor), in this process for the library and in a real
+The faults are injected at the journal's file layer (``JournalFaults``: ``os.write`` and
+``os.fsync`` of the journal's append descriptor), in this process for the library and in a real
 ``asyncrawl run`` process for the CLI; and once for real, on a 256 KiB tmpfs. Each time the job
 halts with exit 5 / ``halt.reason == "storage"``, the message names the journal, every record
 committed before the fault is still there (and nothing of the failed write: after a failed write
@@ -37,8 +37,8 @@ class JournalFaults:
     """Make the journal's storage fail with ``err`` at the first append that goes beyond
     ``after_bytes`` bytes.
 
-    ``where``: ``"write"`` (the append file's write writes half of the data, then fails: a short
-    write, as on a full disk), ``"fsync"`` (``os.fsync`` of the append file fails after the data
+    ``where``: ``"write"`` (``os.write`` to the append descriptor writes half of the data, then fails: a short
+    write, as on a full disk), ``"fsync"`` (``os.fsync`` of the append descriptor fails after the data
     was written), or ``"open"`` (every fsync of the journal file fails, from its creation on).
     Once tripped, every later write / fsync of the append file fails too; ``calls_after`` counts
     them (the writer must not try again after a failure).
@@ -58,19 +58,46 @@ class JournalFaults:
     def install(self, setattr_: Callable[[Any, str, Any], None]) -> JournalFaults:
         """Patch with ``setattr_`` (``monkeypatch.setattr``, or ``setattr`` in a child process)."""
         faults = self
-        real_start = Journal.start_appending
+        real_start = Journal._start_appending_sync
+        real_write = os.write
         real_fsync = os.fsync
 
-        async def start_appending(journal: Journal) -> None:
-            await real_start(journal)
-            journal._file = _FaultyFile(journal._file, faults)
-            faults.fd = journal._file.fileno()
+        def start_appending(journal: Journal) -> None:
+            real_start(journal)
+            faults.fd = journal._fd
+
+        real_cut, real_close = Journal._cut_uncommitted, Journal.close
+
+        def cut(journal: Journal) -> None:
+            faults.fd = None  # the descriptor is closed first: its number may be reused
+            real_cut(journal)
+
+        async def close(journal: Journal) -> None:
+            faults.fd = None
+            await real_close(journal)
+
+        def appending(fd: int) -> bool:  # the journal's append descriptor (not a reused number)
+            return fd == faults.fd and _is_journal(fd)
+
+        def write(fd: int, data: Any) -> int:
+            if faults.where != "write" or not appending(fd):
+                return real_write(fd, data)
+            if faults.tripped:
+                faults.calls_after += 1
+                raise faults.error()
+            if faults.appended + len(data) > faults.after_bytes:
+                faults.tripped += 1
+                real_write(fd, data[: len(data) // 2])  # a short write, then the error
+                raise faults.error()
+            n = real_write(fd, data)
+            faults.appended += n
+            return n
 
         def fsync(fd: int) -> None:
             if faults.where == "open" and _is_journal(fd):
                 faults.tripped += 1
                 raise faults.error()
-            if fd == faults.fd and faults.where == "fsync":
+            if faults.where == "fsync" and appending(fd):
                 if faults.tripped:
                     faults.calls_after += 1
                     raise faults.error()
@@ -79,7 +106,18 @@ class JournalFaults:
                     raise faults.error()
             real_fsync(fd)
 
-        setattr_(Journal, "start_appending", start_appending)
+        if self.where == "fsync":  # count what is appended, to know when to trip
+            def counting_write(fd: int, data: Any) -> int:
+                n = real_write(fd, data)
+                if appending(fd):
+                    faults.appended += n
+                return n
+            setattr_(os, "write", counting_write)
+        else:
+            setattr_(os, "write", write)
+        setattr_(Journal, "_start_appending_sync", start_appending)
+        setattr_(Journal, "_cut_uncommitted", cut)
+        setattr_(Journal, "close", close)
         setattr_(os, "fsync", fsync)
         return self
 
@@ -89,39 +127,6 @@ def _is_journal(fd: int) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}").endswith("/" + JOURNAL)
     except OSError:
         return False
-
-
-class _FaultyFile:
-    """The journal's append file, with ``JournalFaults`` between it and the journal."""
-
-    def __init__(self, inner: Any, faults: JournalFaults) -> None:
-        self._inner = inner
-        self._faults = faults
-
-    async def write(self, data: bytes) -> int:
-        f = self._faults
-        if f.where == "write":
-            if f.tripped:
-                f.calls_after += 1
-                raise f.error()
-            if f.appended + len(data) > f.after_bytes:
-                f.tripped += 1
-                await self._inner.write(data[: len(data) // 2])
-                await self._inner.flush()
-                raise f.error()
-        n: int = await self._inner.write(data)
-        f.appended += len(data)
-        return n
-
-    async def flush(self) -> None:
-        await self._inner.flush()
-
-    def fileno(self) -> int:
-        return int(self._inner.fileno())
-
-    async def close(self) -> None:
-        self._faults.fd = None  # the descriptor's number may be reused for another file
-        await self._inner.close()
 
 
 # Run the CLI in a child process with the faults installed (argv: where errno after_bytes ARGS).
