@@ -126,11 +126,11 @@ _TEMPLATE_SAFE = "%:/?#[]@!$&'()*+,;=~-._"
 class RequestBuilder:
     """Turns an ID into a ``Request`` from the config's URL template, params and headers."""
 
-    __slots__ = ("_fast", "_headers", "_method", "_parts", "_query_parts")
+    __slots__ = ("_fast", "_parts", "_query_parts", "headers", "method")
 
     def __init__(self, config: Config) -> None:
-        self._method = config.method
-        self._headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
+        self.method = config.method
+        self.headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
         # The template is sent as written (encoded=True), so non-ASCII is percent-encoded here
         # (UTF-8); reserved characters and existing %XX escapes are kept as they are.
         self._parts = [quote(p, safe=_TEMPLATE_SAFE) for p in config.url.split("{id}")]
@@ -167,17 +167,19 @@ class RequestBuilder:
         return url.scheme, url.raw_authority, url.raw_path.split(marker), qs
 
     def __call__(self, item_id: str) -> Request:
+        return Request(self.method, self.url(item_id), self.headers)
+
+    def url(self, item_id: str) -> URL:
         enc = encode_id(item_id)
         if self._fast is not None:
             scheme, authority, path, qs = self._fast
-            return Request(self._method, URL.build(
-                scheme=scheme, authority=authority, path=enc.join(path), query_string=qs,
-                encoded=True), self._headers)
+            return URL.build(scheme=scheme, authority=authority, path=enc.join(path),
+                             query_string=qs, encoded=True)
         url = enc.join(self._parts)
         if self._query_parts:
             q = "&".join(f"{k}={enc.join(pieces)}" for k, pieces in self._query_parts)
             url += ("&" if "?" in url else "?") + q
-        return Request(self._method, URL(url, encoded=True), self._headers)
+        return URL(url, encoded=True)
 
 
 def status_class(status: int, config: Config) -> Outcome:
@@ -216,7 +218,10 @@ class Fetcher:
     ) -> None:
         self.session = session
         self.config = config
-        self.request_for = request_for or RequestBuilder(config)
+        builder = RequestBuilder(config) if request_for is None else None
+        self.request_for = request_for or builder
+        # the config's own template: no Request object per attempt, just the URL
+        self._default = None if builder is None else (builder.url, builder.method, builder.headers)
         self.classify = classify
         self.timeout = client_timeout(config)
         # a 200 is OK when its body parses, unless a hook or the config may say otherwise
@@ -230,8 +235,12 @@ class Fetcher:
         """One try for ``item_id``. Never raises for network or HTTP problems."""
         cfg = self.config
         try:
-            req = self.request_for(item_id)
-            method, url, headers, body = req.method, req.url, req.headers, req.json
+            if self._default is not None:
+                url_for, method, headers = self._default
+                url, body = url_for(item_id), None
+            else:
+                req = self.request_for(item_id)
+                method, url, headers, body = req.method, req.url, req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
                     method, url, headers=headers, json=body, allow_redirects=False,

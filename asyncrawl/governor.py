@@ -167,10 +167,12 @@ class Breaker:
     least ``min_ids`` distinct IDs, and they make up at least ``ratio`` of those answers.
     While open, ``gate`` allows one probe at a time, the first after ``probe_initial`` seconds,
     then at doubling intervals up to ``probe_max``. The first probe that is not a retryable
-    failure closes it.
+    failure closes it. (Successes while nothing failed lately are not kept, which saves a
+    record per healthy answer; with ``min_failures >= ratio * recent``, as by default, they could
+    not change a decision.)
     """
 
-    __slots__ = ("_events", "_interval", "_next_probe", "_probe_out", "min_failures", "min_ids",
+    __slots__ = ("_events", "_failures", "_interval", "_next_probe", "_probe_out", "min_failures", "min_ids",
                  "open", "opened", "probe_initial", "probe_max", "ratio", "recent", "window")
 
     def __init__(self, *, window: float = 2.0, recent: int = 10, min_failures: int = 8,
@@ -185,7 +187,8 @@ class Breaker:
         self.probe_max = probe_max
         self.open = False
         self.opened = 0
-        self._events: deque[tuple[float, str, bool]] = deque(maxlen=recent)
+        self._events: deque[tuple[float, str, bool]] = deque()
+        self._failures = 0  # failures among _events
         self._interval = probe_initial
         self._next_probe = 0.0
         self._probe_out = False
@@ -217,11 +220,20 @@ class Breaker:
                 else:
                     self.open = False
                     self._events.clear()
+                    self._failures = 0
             return
         ev = self._events
+        if not failed and not self._failures:
+            # Nothing failed lately: a success changes nothing (an opening needs at least
+            # ``min_failures`` failures among the last ``recent`` answers), so keep no record.
+            ev.clear()
+            return
         ev.append((now, item_id, failed))
+        self._failures += failed
         while ev and ev[0][0] < now - self.window:
-            ev.popleft()
+            self._failures -= ev.popleft()[2]
+        if len(ev) > self.recent:  # (maxlen is not used, so that the count stays right)
+            self._failures -= ev.popleft()[2]
         if not failed:
             return
         failures = [i for _, i, f in ev if f]
@@ -325,31 +337,32 @@ class Governor:
     async def acquire(self) -> Ticket:
         """Wait until a request may start."""
         loop = self._loop
-        breaker, c = self.breaker, self.controller
+        breaker, c, limiter = self.breaker, self.controller, self.limiter
         while True:
-            while (wait := self.paused_until - loop.time()) > 0:
-                await asyncio.sleep(wait)
-            if c is not None:
-                c.tick(loop.time())
+            now = loop.time()
+            if self.paused_until > now:
+                await asyncio.sleep(self.paused_until - now)
+                continue
             if breaker is not None and breaker.open:
-                gate = breaker.gate(loop.time(), take=False)
+                gate = breaker.gate(now, take=False)
                 if gate is not None and gate > 0:
                     await asyncio.sleep(min(gate, 0.25))  # re-check: it may close meanwhile
                     continue
-            if c is not None and c.limited:
-                now = loop.time()
-                slot = max(self._next_slot, now)
-                self._next_slot = slot + 1.0 / c.rate
-                if slot > now:
-                    await asyncio.sleep(slot - now)
-            await self.limiter.acquire()
+            if c is not None:
+                c.tick(now)
+                if c.limited:
+                    slot = max(self._next_slot, now)
+                    self._next_slot = slot + 1.0 / c.rate
+                    if slot > now:
+                        await asyncio.sleep(slot - now)
+            await limiter.acquire()
             # The waits above took time: decide on what holds *now* (a pause may have begun,
             # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()
             if self.paused_until > now:
                 continue
             probe = False
-            if breaker is not None:
+            if breaker is not None and breaker.open:
                 gate = breaker.gate(now)
                 if gate is not None and gate > 0:
                     continue

@@ -448,7 +448,7 @@ class Writer:
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks; the writer batches what accumulates)."""
-        self._queue.put((record, record.encode(), None))
+        self._queue.put((record, None))
 
     def commit(self, record: Record) -> asyncio.Future[bool]:
         """Queue a record; the future says when it is durable: ``True``, or ``False`` if it
@@ -457,7 +457,7 @@ class Writer:
         if self.failed is not None:
             fut.set_result(False)
         else:
-            self._queue.put((record, record.encode(), fut))
+            self._queue.put((record, fut))
         return fut
 
     def close(self) -> None:
@@ -507,7 +507,7 @@ class Writer:
                 durable, error = False, None
                 if self.failed is None:
                     try:
-                        journal.append_sync(b"".join([e[1] for e in batch]))
+                        journal.append_sync(b"".join([e[0].encode() for e in batch]))
                         durable = True
                     except StorageError as e:
                         error = e
@@ -530,7 +530,7 @@ class Writer:
     def _done(self, batch: list[_Entry], durable: bool, error: StorageError | None) -> None:
         if error is not None:
             self.on_error(error)
-        for _, _, fut in batch:
+        for _, fut in batch:
             if fut is not None and not fut.done():
                 fut.set_result(durable)
         if durable:
@@ -542,7 +542,7 @@ class Writer:
                 self._bug = self._bug or e
 
 
-_Entry = tuple[Record, bytes, "asyncio.Future[bool] | None"]
+_Entry = tuple[Record, "asyncio.Future[bool] | None"]
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:
