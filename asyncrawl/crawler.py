@@ -400,7 +400,7 @@ class Crawler:
 
     def _intent(self, item: str) -> Awaitable[bool]:
         assert self._writer is not None
-        return self._writer.commit(Record("sent", item))
+        return self._writer.commit(Record.sent(item))
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -450,9 +450,9 @@ class Crawler:
         # for the on_result hook (and for a body the journal cannot take as is).
         body = attempt.body
         keep = self.on_result is not None or body is None or b"\n" in body
-        rec = Record(kind, item.id, status=attempt.status, error=attempt.error,
-                     permanent=permanent, data=attempt.data if keep else None, pass_no=self.pass_no,
-                     tries=item.tries, paid=item.paid, raw=body)
+        rec = Record.outcome(kind, item.id, attempt.status, attempt.error, permanent,
+                             attempt.data if keep else None, self.pass_no, item.tries, item.paid,
+                             body)
         self._writer.put(rec)
         if kind == "failed":
             self._failed[item.id] = (permanent, attempt.status, attempt.error, item.tries)

@@ -82,6 +82,19 @@ class Record(_RecordFields):
         return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
                                    paid, time.time() if ts is None else ts, extra, raw))
 
+    @classmethod
+    def outcome(cls, kind: str, id: str, status: int | None, error: str | None, permanent: bool,
+                data: Any, pass_no: int, tries: int, paid: int, raw: bytes | None) -> Record:
+        """An outcome record, made without keyword handling (two records per request)."""
+        return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
+                                   paid, time.time(), None, raw))
+
+    @classmethod
+    def sent(cls, id: str) -> Record:
+        """The record that a request for ``id`` is about to leave."""
+        return tuple.__new__(cls, ("sent", id, None, None, False, None, 1, 0, 0, time.time(),
+                                   None, None))
+
     def encode(self) -> bytes:
         kind = self.kind
         d: dict[str, Any] = {"k": kind}
