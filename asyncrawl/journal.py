@@ -430,7 +430,8 @@ class Writer:
 
     Records are encoded as they are queued (``put``, or ``commit`` to wait for durability). The
     writer's own thread takes everything queued since its last write, writes it in one go and
-    fsyncs once (group commit), then hands the batch back to the event loop, which resolves the
+    fsyncs once (group commit; a batch that no ``commit`` waits for first lingers ``linger``
+    seconds for more), then hands the batch back to the event loop, which resolves the
     ``commit`` futures and calls ``on_commit(records)``, in journal order. fsync never blocks the
     loop, and a commit costs the loop one wake-up, not a round trip per step. On a storage error
     ``on_error(exc)`` is called once and nothing is written after it.
@@ -443,11 +444,13 @@ class Writer:
         on_commit: Callable[[list[Record]], None],
         on_error: Callable[[StorageError], None],
         batch_limit: int = 1024,
+        linger: float = 0.002,
     ) -> None:
         self.journal = journal
         self.on_commit = on_commit
         self.on_error = on_error
         self.batch_limit = batch_limit
+        self.linger = linger  # seconds a batch no one waits for may wait for company
         self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
@@ -505,6 +508,7 @@ class Writer:
             while not stop:
                 entry = q.get()
                 batch: list[_Entry] = []
+                lingered = False
                 while entry is not None:
                     batch.append(entry)
                     if len(batch) >= limit:
@@ -512,7 +516,16 @@ class Writer:
                     try:
                         entry = q.get_nowait()
                     except queue.Empty:
-                        break
+                        if lingered or any(e[1] is not None for e in batch):
+                            break
+                        # Nobody waits for these: let more gather first, rather than wake up
+                        # (and take the GIL from the event loop) for every record.
+                        lingered = True
+                        time.sleep(self.linger)
+                        try:
+                            entry = q.get_nowait()
+                        except queue.Empty:
+                            break
                 else:
                     stop = True
                 if not batch:

@@ -31,6 +31,11 @@ ratio is meaningless (a warning is printed).
 Usage::
 
     .venv/bin/python bench/throughput.py [--requests 20000] [--concurrency 64] [--rounds 3] [--json]
+        [--intent-cost]
+
+``--intent-cost`` adds a third kind, ``no-intent``: asyncrawl with the durable "sent" record
+(written before each request, for the in-doubt report) switched off in the worker process, and
+prints ``1 - median(asyncrawl) / median(no-intent)``, what that record costs.
 
 Needs nginx (Debian: ``apt-get install -y nginx-light``); exits 2 with that hint when missing.
 """
@@ -59,6 +64,7 @@ from typing import Any, TextIO
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 KINDS = ("baseline", "asyncrawl")
+NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
 
@@ -96,9 +102,22 @@ async def run_baseline(base: str, n: int, concurrency: int) -> int:
     return ok
 
 
-async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str) -> int:
-    """asyncrawl through its public library API, durability on. Returns summary.ok."""
+async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
+                        intent: bool = True) -> int:
+    """asyncrawl through its public library API, durability on. Returns summary.ok.
+
+    ``intent=False`` (for measuring its cost only) skips the durable "sent" record that each
+    request otherwise waits for: the writer then only gets the results, as before that record
+    existed."""
     from asyncrawl import Config, Crawler
+
+    if not intent:
+        def no_intent(self: Crawler, item: str) -> asyncio.Future[bool]:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(True)
+            return fut
+
+        Crawler._intent = no_intent  # type: ignore[method-assign]  # this worker process only
 
     ids = [str(i) for i in range(n)]
     cfg = Config(
@@ -122,7 +141,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import aiohttp  # noqa: F401  -- imports outside the timed section
     import orjson  # noqa: F401
 
-    if args.worker == "asyncrawl":
+    if args.worker != "baseline":
         import asyncrawl  # noqa: F401
 
     async def timed() -> tuple[int, float, float]:
@@ -130,7 +149,8 @@ def worker_main(args: argparse.Namespace) -> int:
         if args.worker == "baseline":
             ok = await run_baseline(args.url, args.requests, args.concurrency)
         else:
-            ok = await run_asyncrawl(args.url, args.requests, args.concurrency, args.state_dir)
+            ok = await run_asyncrawl(args.url, args.requests, args.concurrency, args.state_dir,
+                                     intent=args.worker != NO_INTENT)
         return ok, time.perf_counter() - t0, time.process_time() - cpu0
 
     ok, elapsed, cpu = asyncio.run(timed())
@@ -389,13 +409,15 @@ def print_table(runs: list[Run], out: TextIO) -> None:
 
 def driver_main(args: argparse.Namespace) -> int:
     kinds = list(KINDS) if args.only is None else [args.only]
+    if args.intent_cost:
+        kinds.append(NO_INTENT)
     skipped: str | None = None
     if "asyncrawl" in kinds:
         reason = asyncrawl_available()
         if reason is not None:
             skipped = f"asyncrawl not importable ({reason}); running the baseline only"
             print(f"NOTE: {skipped}", file=sys.stderr)
-            kinds.remove("asyncrawl")
+            kinds = [k for k in kinds if k == "baseline"]
             if not kinds:
                 return 1
 
@@ -457,6 +479,11 @@ def driver_main(args: argparse.Namespace) -> int:
         print(f"CPU per request, asyncrawl / baseline = {cpu_ratio:.2f}x", file=out)
     else:
         print("ratio = n/a (asyncrawl side not run)", file=out)
+    intent_cost = None
+    if {"asyncrawl", NO_INTENT} <= medians.keys():
+        intent_cost = 1 - medians["asyncrawl"] / medians[NO_INTENT]
+        print(f"intent cost = 1 - median(asyncrawl) / median({NO_INTENT}) = {intent_cost:+.1%} "
+              "(negative: faster with it)", file=out)
     for w in warnings:
         print(f"WARNING: {w}", file=out)
 
@@ -473,6 +500,7 @@ def driver_main(args: argparse.Namespace) -> int:
                     "median_rps": medians,
                     "median_cpu_us_per_req": cpu_medians,
                     "ratio": ratio,
+                    "intent_cost": intent_cost,
                     "nginx_max_cpu_share": nginx_max,
                     "warnings": warnings,
                 }
@@ -488,13 +516,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="runs of each side (3)")
     p.add_argument("--warmup", type=int, default=2_000, help="unreported warm-up requests (2000)")
     p.add_argument("--only", choices=KINDS, help="run one side only")
+    p.add_argument("--intent-cost", action="store_true",
+                   help=f"also run asyncrawl without its durable 'sent' record ({NO_INTENT}) "
+                        "and print what the record costs")
     p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object with all figures on stdout (report goes to stderr)",
     )
     # internal: run one timed worker in this process
-    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*KINDS, NO_INTENT), help=argparse.SUPPRESS)
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--state-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
