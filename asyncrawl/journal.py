@@ -428,12 +428,13 @@ class Journal:
 class Writer:
     """The single writer: group-commits queued records and reports them once durable.
 
-    Records are encoded as they are queued (``put``, or ``commit`` to wait for durability). The
-    writer's own thread takes everything queued since its last write, writes it in one go and
-    fsyncs once (group commit; a batch that no ``commit`` waits for first lingers ``linger``
-    seconds for more), then hands the batch back to the event loop, which resolves the
+    Records are queued by ``put`` (or ``commit``, to wait until one is durable). The writer's
+    own thread takes everything queued since its last write, encodes it, writes it in one go and
+    fsyncs once (group commit), then hands the batch back to the event loop, which resolves the
     ``commit`` futures and calls ``on_commit(records)``, in journal order. fsync never blocks the
-    loop, and a commit costs the loop one wake-up, not a round trip per step. On a storage error
+    loop, and a commit costs the loop one wake-up, not a round trip per step. A batch that no
+    ``commit`` waits for first lingers up to ``linger`` seconds for more (until a ``commit``
+    arrives), so that results alone do not wake the thread for every record. On a storage error
     ``on_error(exc)`` is called once and nothing is written after it.
     """
 
@@ -451,6 +452,8 @@ class Writer:
         self.on_error = on_error
         self.batch_limit = batch_limit
         self.linger = linger  # seconds a batch no one waits for may wait for company
+        self._lingering = False
+        self._hurry = threading.Event()  # a commit() arrived while the thread lingers
         self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
@@ -474,6 +477,8 @@ class Writer:
             fut.set_result(False)
         else:
             self._queue.put((record, fut))
+            if self._lingering:
+                self._hurry.set()
         return fut
 
     def close(self) -> None:
@@ -521,7 +526,11 @@ class Writer:
                         # Nobody waits for these: let more gather first, rather than wake up
                         # (and take the GIL from the event loop) for every record.
                         lingered = True
-                        time.sleep(self.linger)
+                        self._hurry.clear()
+                        self._lingering = True
+                        if q.empty():  # (a commit() queued before the flag was up is seen)
+                            self._hurry.wait(self.linger)  # cut short by a commit()
+                        self._lingering = False
                         try:
                             entry = q.get_nowait()
                         except queue.Empty:

@@ -382,3 +382,25 @@ def test_lock_held_by_another_process(tmp_path: Path) -> None:
     # the holder died without closing: the kernel released its flock
     asyncio.run(reopen(state))
     assert (state / LOCK).read_text().strip() == str(os.getpid())
+
+
+async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path: Path) -> None:
+    """A batch nobody waits for lingers for company (fewer wake-ups of the writer's thread); a
+    record somebody waits for cuts the lingering short."""
+    j = await Journal.open(tmp_path / "state")
+    await j.start_appending()
+    batches: list[list[str | None]] = []
+    w = Writer(j, on_commit=lambda b: batches.append([r.id for r in b]), on_error=print, linger=30)
+    task = asyncio.create_task(w.run())
+    w.put(Record("ok", "a", ts=TS))
+    while not w._lingering:  # the thread took "a" and waits for company
+        await asyncio.sleep(0.001)
+    w.put(Record("ok", "b", ts=TS))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await w.commit(Record("sent", "c", ts=TS)) is True
+    assert loop.time() - started < 15  # not the 30 s linger: the commit woke the writer
+    w.close()
+    await task
+    await j.close()
+    assert batches == [["a", "b", "c"]]  # one write for the three
