@@ -447,9 +447,9 @@ class Crawler:
         """A worker's final word on an ID for this pass: queue its record for the writer."""
         assert self._writer is not None
         # The journal gets an ok answer's body as received; the parsed payload is kept only
-        # for the on_result hook (and for a body the journal cannot take as is).
+        # for the on_result hook.
         body = attempt.body
-        keep = self.on_result is not None or body is None or b"\n" in body
+        keep = self.on_result is not None or body is None
         rec = Record.outcome(kind, item.id, attempt.status, attempt.error, permanent,
                              attempt.data if keep else None, self.pass_no, item.tries, item.paid,
                              body)

@@ -218,10 +218,8 @@ class Fetcher:
     ) -> None:
         self.session = session
         self.config = config
-        builder = RequestBuilder(config) if request_for is None else None
-        self.request_for = request_for or builder
-        # the config's own template: no Request object per attempt, just the URL
-        self._default = None if builder is None else (builder.url, builder.method, builder.headers)
+        self.request_for = request_for  # a hook; None: the config's template (no Request made)
+        self._build = RequestBuilder(config)
         self.classify = classify
         self.timeout = client_timeout(config)
         # a 200 is OK when its body parses, unless a hook or the config may say otherwise
@@ -235,9 +233,9 @@ class Fetcher:
         """One try for ``item_id``. Never raises for network or HTTP problems."""
         cfg = self.config
         try:
-            if self._default is not None:
-                url_for, method, headers = self._default
-                url, body = url_for(item_id), None
+            if self.request_for is None:
+                b = self._build
+                method, url, headers, body = b.method, b.url(item_id), b.headers, None
             else:
                 req = self.request_for(item_id)
                 method, url, headers, body = req.method, req.url, req.headers, req.json
@@ -269,17 +267,7 @@ class Fetcher:
                             method, body = "GET", None
                         url = target
                         continue
-                    length = resp.content_length
-                    if length is not None and length <= cfg.max_body_bytes \
-                            and "Content-Encoding" not in resp.headers:
-                        data = await resp.read()  # the common case: no decompression to watch
-                    else:
-                        data = await self._read(resp)
-                    if status == 200 and self._plain_200 and data is not None:
-                        try:
-                            return Attempt(Outcome.OK, 200, orjson.loads(data), None, None, True, data)
-                        except orjson.JSONDecodeError:
-                            pass  # classified below
+                    data = await self._read(resp)
                     return self._classify(item_id, status, resp.headers, data)
             raise AssertionError("unreachable")  # pragma: no cover
         except aiohttp.ClientConnectorCertificateError as e:
@@ -321,6 +309,11 @@ class Fetcher:
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
                   body: bytes | None) -> Attempt:
         cfg = self.config
+        if status == 200 and self._plain_200 and body is not None:  # the common case, in short
+            try:
+                return Attempt(Outcome.OK, 200, orjson.loads(body), None, None, True, body)
+            except orjson.JSONDecodeError:
+                pass  # classified below
         retry_after = None if status < 300 else parse_retry_after(headers.get("Retry-After"))
         if body is None:
             return Attempt(Outcome.SKIP, status, error=f"body larger than {cfg.max_body_bytes} bytes",

@@ -172,7 +172,7 @@ class Breaker:
     not change a decision.)
     """
 
-    __slots__ = ("_events", "_failures", "_interval", "_next_probe", "_probe_out", "min_failures", "min_ids",
+    __slots__ = ("_events", "_interval", "_next_probe", "_probe_out", "min_failures", "min_ids",
                  "open", "opened", "probe_initial", "probe_max", "ratio", "recent", "window")
 
     def __init__(self, *, window: float = 2.0, recent: int = 10, min_failures: int = 8,
@@ -187,8 +187,7 @@ class Breaker:
         self.probe_max = probe_max
         self.open = False
         self.opened = 0
-        self._events: deque[tuple[float, str, bool]] = deque()
-        self._failures = 0  # failures among _events
+        self._events: deque[tuple[float, str, bool]] = deque(maxlen=recent)
         self._interval = probe_initial
         self._next_probe = 0.0
         self._probe_out = False
@@ -220,20 +219,16 @@ class Breaker:
                 else:
                     self.open = False
                     self._events.clear()
-                    self._failures = 0
             return
         ev = self._events
-        if not failed and not self._failures:
-            # Nothing failed lately: a success changes nothing (an opening needs at least
-            # ``min_failures`` failures among the last ``recent`` answers), so keep no record.
+        if not failed and not any(f for _, _, f in ev):
+            # Nothing failed lately (when healthy, ``ev`` is empty): a success changes nothing
+            # (an opening needs ``min_failures`` failures among the last ``recent``), so keep none.
             ev.clear()
             return
         ev.append((now, item_id, failed))
-        self._failures += failed
         while ev and ev[0][0] < now - self.window:
-            self._failures -= ev.popleft()[2]
-        if len(ev) > self.recent:  # (maxlen is not used, so that the count stays right)
-            self._failures -= ev.popleft()[2]
+            ev.popleft()
         if not failed:
             return
         failures = [i for _, i, f in ev if f]

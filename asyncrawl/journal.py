@@ -92,8 +92,7 @@ class Record(_RecordFields):
     @classmethod
     def sent(cls, id: str) -> Record:
         """The record that a request for ``id`` is about to leave."""
-        return tuple.__new__(cls, ("sent", id, None, None, False, None, 1, 0, 0, time.time(),
-                                   None, None))
+        return cls.outcome("sent", id, None, None, False, None, 1, 0, 0, None)
 
     def encode(self) -> bytes:
         kind = self.kind
@@ -507,53 +506,59 @@ class Writer:
     # -- the writer's thread -------------------------------------------------------------------
 
     def _main(self, done: asyncio.Future[None]) -> None:
-        q, limit, journal = self._queue, self.batch_limit, self.journal
+        q = self._queue
         try:
             stop = False
             while not stop:
-                entry = q.get()
                 batch: list[_Entry] = []
-                lingered = False
-                while entry is not None:
-                    batch.append(entry)
-                    if len(batch) >= limit:
-                        break
-                    try:
-                        entry = q.get_nowait()
-                    except queue.Empty:
-                        if lingered or any(e[1] is not None for e in batch):
-                            break
-                        # Nobody waits for these: let more gather first, rather than wake up
-                        # (and take the GIL from the event loop) for every record.
-                        lingered = True
-                        self._hurry.clear()
-                        self._lingering = True
-                        if q.empty():  # (a commit() queued before the flag was up is seen)
-                            self._hurry.wait(self.linger)  # cut short by a commit()
-                        self._lingering = False
-                        try:
-                            entry = q.get_nowait()
-                        except queue.Empty:
-                            break
-                else:
-                    stop = True
-                if not batch:
-                    continue
-                durable, error = False, None
-                if self.failed is None:
-                    try:
-                        journal.append_sync(b"".join([e[0].encode() for e in batch]))
-                        durable = True
-                    except StorageError as e:
-                        error = e
-                    except Exception as e:  # a bug: stop writing, as for a storage error
-                        error = StorageError(f"journal writer failed: {type(e).__name__}: {e}",
-                                             path=journal.path)
-                    if error is not None:
-                        self.failed = error
-                self._post(self._done, batch, durable, error)
+                stop = self._take(batch, q.get())
+                if not stop and len(batch) < self.batch_limit \
+                        and all(fut is None for _, fut in batch) and self._linger():
+                    # Nobody waits for these: more gathered meanwhile, rather than a wake-up
+                    # (and the GIL taken from the event loop) for every record.
+                    stop = self._take(batch, q.get_nowait())
+                if batch:
+                    self._post(self._done, batch, *self._write(batch))
         finally:
             self._post(_resolve, done, None)
+
+    def _take(self, batch: list[_Entry], entry: _Entry | None) -> bool:
+        """Add ``entry`` and what else is queued (up to the batch limit) to ``batch``; ``True``
+        once ``close`` was reached."""
+        while entry is not None:
+            batch.append(entry)
+            if len(batch) >= self.batch_limit:
+                return False
+            try:
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def _linger(self) -> bool:
+        """Wait up to ``linger`` seconds, less if a ``commit`` arrives; ``True`` if anything
+        was queued meanwhile."""
+        self._hurry.clear()
+        self._lingering = True
+        if self._queue.empty():  # (a commit() queued before the flag was up is seen here)
+            self._hurry.wait(self.linger)
+        self._lingering = False
+        return not self._queue.empty()
+
+    def _write(self, batch: list[_Entry]) -> tuple[bool, StorageError | None]:
+        """Append the batch and fsync it, unless an earlier batch failed: (durable, error)."""
+        if self.failed is not None:
+            return False, None
+        try:
+            self.journal.append_sync(b"".join([rec.encode() for rec, _ in batch]))
+            return True, None
+        except StorageError as e:
+            error = e
+        except Exception as e:  # a bug: stop writing, as for a storage error
+            error = StorageError(f"journal writer failed: {type(e).__name__}: {e}",
+                                 path=self.journal.path)
+        self.failed = error
+        return False, error
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

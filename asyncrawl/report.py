@@ -22,7 +22,7 @@ import orjson
 from .config import Config
 from .crawler import Halt
 from .errors import ConfigError, StorageError
-from .journal import JOURNAL, OUTCOME_KINDS, State, load_state, lock_holder, scan
+from .journal import JOURNAL, State, load_state, lock_holder, scan
 from .progress import halt_text
 
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
@@ -156,27 +156,32 @@ def status_text(s: dict[str, Any]) -> str:
 
 
 def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
+    """The records to export, from one read of the journal."""
     path = state_dir / JOURNAL
     if not path.exists():
         raise StorageError("no journal here yet", path=state_dir)
-    st: State = load_state(state_dir, running=lock_holder(state_dir) is not None)
-    final = st.outcome
-    if outcome == "ok":
-        for _, rec in scan(path):
-            if rec["k"] == "ok" and final.get(rec["id"]) == "ok":
-                final[rec["id"]] = "exported"  # never two ok lines for one ID
-                yield rec
-        return
     if outcome == "in-doubt":
+        st = load_state(state_dir, running=lock_holder(state_dir) is not None)
         for item, twice in st.in_doubt.items():
             yield {"id": item, "refetched": twice}
         return
+    if outcome == "ok":  # ok is final: an ID's first ok record is its result
+        exported: set[str] = set()
+        for _, rec in scan(path):
+            if rec["k"] == "ok" and rec["id"] not in exported:
+                exported.add(rec["id"])  # never two ok lines for one ID
+                yield rec
+        return
     want = {"failed": ("failed", "perm"), "unavailable": ("unavailable",)}[outcome]
+    st = State()
     latest: dict[str, dict[str, Any]] = {}
     for _, rec in scan(path):
-        if rec["k"] in OUTCOME_KINDS and final.get(rec["id"]) in want:
+        st.apply(rec)
+        if rec["k"] in ("failed", "unavailable"):
             latest[rec["id"]] = rec
-    yield from latest.values()
+    for item, rec in latest.items():
+        if st.outcome.get(item) in want:
+            yield rec
 
 
 def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",

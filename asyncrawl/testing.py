@@ -1,8 +1,8 @@
 """A fault-injecting mock of a paid, rate-limited item API: a real aiohttp server on loopback.
 
-Used by ``asyncrawl demo``, by the test suite (in-process, or as a separate process via
-``python -m asyncrawl.testing``), and by users who want to try a configuration against realistic
-faults without a key or a network::
+Used by ``asyncrawl demo``, by the test suite and the benchmarks (in-process, or as a separate
+process via ``python -m asyncrawl.testing``, which ``MockProcess`` starts), and by users who want
+to try a configuration against realistic faults without a key or a network::
 
     async with MockAPI(faults=demo_faults, balance=1000) as api:
         config = asyncrawl.Config(url=api.item_url, headers={"X-Api-Key": "demo-key"})
@@ -33,12 +33,14 @@ import email.utils
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import quote
 
@@ -395,6 +397,56 @@ class MockAPI:
             self._paid.append(item_id)
         return web.Response(body=reply.body, status=reply.status, headers=reply.headers,
                             content_type=_JSON)
+
+
+class MockProcess:
+    """The mock API in a process of its own: ``python -m asyncrawl.testing --log LOG ARGS``
+    (a client in this process then competes with no server for the CPU). ``url`` and
+    ``item_url`` once it listens; ``stop()``, or use it as a context manager."""
+
+    def __init__(self, log: str | os.PathLike[str], *args: str,
+                 cwd: str | os.PathLike[str] | None = None) -> None:
+        self.log_path = Path(log)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrawl.testing", "--log", str(log), *args],
+            stdout=subprocess.PIPE, text=True, cwd=cwd)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            self.stop()
+            raise RuntimeError(f"mock API did not start: {line!r}")
+        self.url = line.removeprefix("listening on ")
+        self.item_url = self.url + "/items/{id}"
+
+    def __enter__(self) -> MockProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def settled_log(self, quiet: float = 0.3, timeout: float = 15.0) -> list[LogEntry]:
+        """The log once it stopped growing (answers to a killed client are still logged)."""
+        deadline = time.monotonic() + timeout
+        size = -1
+        while time.monotonic() < deadline:
+            new = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if new == size:
+                break
+            size = new
+            time.sleep(quiet)
+        return read_log(self.log_path) if self.log_path.exists() else []
+
+    def stop(self) -> None:
+        """SIGTERM (SIGKILL after 10 s), and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def _mapping_faults(faults: Mapping[str, Fault]) -> Callable[[str], Fault]:

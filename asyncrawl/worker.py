@@ -179,14 +179,6 @@ class Worker:
                 gov.retry_budget.on_first_try()
             item.tries += 1
             item.paid += attempt.billable
-            if attempt.outcome is Outcome.OK:  # the common case, in short
-                gov.on_response(ticket, item.id, limited=False, failed=False, retry_after=None,
-                                evidence=first_try and first_pass)
-                del held[id(item)]
-                self.settle(item, "ok", attempt, permanent=False)
-                if budget.exhausted:
-                    self.halt("budget", None)
-                continue
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
             retry_after = attempt.retry_after

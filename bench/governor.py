@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,19 +28,7 @@ from typing import Any
 
 from asyncrawl import Config, Crawler, Summary
 from asyncrawl.journal import JOURNAL, scan
-from asyncrawl.testing import LogEntry, read_log
-
-
-def start_mock(log: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrawl.testing", "--no-auth", "--faults", "none",
-         "--log", str(log), *args], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline().strip()
-    if not line.startswith("listening on "):
-        proc.kill()
-        raise SystemExit(f"mock API did not start: {line!r}")
-    return proc, line.removeprefix("listening on ")
+from asyncrawl.testing import LogEntry, MockProcess, read_log
 
 
 def crawl(url: str, state: Path, n: int, **kw: Any) -> Summary:
@@ -59,14 +45,8 @@ def run_scenario(mock_args: list[str], n: int, judge: Callable[[list[LogEntry], 
         tuple[str, float, str, bool]]], **kw: Any) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         log, state = Path(tmp) / "mock.log", Path(tmp) / "state"
-        proc, url = start_mock(log, *mock_args)
-        try:
-            summary = crawl(url, state, n, **kw)
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            if proc.stdout:
-                proc.stdout.close()
+        with MockProcess(log, "--no-auth", "--faults", "none", *mock_args) as mock:
+            summary = crawl(mock.url, state, n, **kw)
         rows = judge(read_log(log), summary, state)
     ok = True
     for name, value, target, passed in rows:

@@ -79,7 +79,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
 from asyncrawl.journal import HEADER, JOURNAL, OUTCOME_KINDS, Writer  # noqa: E402
-from asyncrawl.testing import LogEntry, demo_faults, payload_for, read_log  # noqa: E402
+from asyncrawl.testing import LogEntry, MockProcess, demo_faults, payload_for  # noqa: E402
 
 KEY = "torture-key"
 ENV = {"ASYNCRAWL_TORTURE_KEY": KEY}
@@ -92,46 +92,6 @@ UNFETCHABLE = {"not_found": 404, "bad_request": 400, "gone": 500}  # demo kinds 
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-class Mock:
-    """``python -m asyncrawl.testing`` in its own process."""
-
-    def __init__(self, log: Path, payload_bytes: int) -> None:
-        self.log_path = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrawl.testing", "--api-key", KEY, "--faults", "demo",
-             "--payload-bytes", str(payload_bytes), "--log", str(log)],
-            stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith("listening on "):
-            self.stop()
-            raise RuntimeError(f"mock API did not start: {line!r}")
-        self.item_url = line.removeprefix("listening on ") + "/items/{id}"
-
-    def settled_log(self, quiet: float = 0.3, timeout: float = 15.0) -> list[LogEntry]:
-        """The log once it stopped growing (answers to a killed client are still logged)."""
-        deadline = time.monotonic() + timeout
-        size = -1
-        while time.monotonic() < deadline:
-            new = self.log_path.stat().st_size if self.log_path.exists() else 0
-            if new == size:
-                break
-            size = new
-            time.sleep(quiet)
-        return read_log(self.log_path) if self.log_path.exists() else []
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 def asyncrawl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -324,7 +284,8 @@ def torture(*, kills: int, n_ids: int, concurrency: int = 16, payload_bytes: int
     state = base / "state"
     ids_file = base / "ids.txt"
     ids_file.write_text("".join(f"{i}\n" for i in ids), encoding="utf-8")
-    mock = Mock(base / "mock.log", payload_bytes)
+    mock = MockProcess(base / "mock.log", "--api-key", KEY, "--faults", "demo",
+                       "--payload-bytes", str(payload_bytes), cwd=REPO_ROOT)
     cfg = base / "torture.toml"
     write_config(cfg, url=mock.item_url, ids=ids_file, state=state, concurrency=concurrency)
     journal = JournalReader(state / JOURNAL)

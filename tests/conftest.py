@@ -6,7 +6,6 @@ Everything talks to real servers over loopback; nothing mocks aiohttp.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 from asyncrawl import Config
-from asyncrawl.testing import MockAPI
+from asyncrawl.testing import MockAPI, MockProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-5f2b"
@@ -49,32 +48,6 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "asyncrawl", *args], capture_output=True,
                           text=True, env=full_env, cwd=cwd, timeout=timeout, input=stdin)
-
-
-class MockProcess:
-    """The mock API in a separate process (``python -m asyncrawl.testing``)."""
-
-    def __init__(self, log: Path, *args: str) -> None:
-        self.log_path = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrawl.testing", "--log", str(log), *args],
-            stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        assert line.startswith("listening on "), line
-        self.url = line.removeprefix("listening on ")
-        self.item_url = self.url + "/items/{id}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
 
 
 @pytest.fixture

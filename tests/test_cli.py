@@ -99,19 +99,6 @@ def wait_until(pred: Callable[[], bool], proc: subprocess.Popen[str], timeout: f
         time.sleep(0.01)
 
 
-def settle_log(path: Path, quiet: float = 0.3, timeout: float = 10) -> list[LogEntry]:
-    """The mock's log once it stopped growing (answers to a killed client still get logged)."""
-    deadline = time.monotonic() + timeout
-    size = -1
-    while time.monotonic() < deadline:
-        new = path.stat().st_size
-        if new == size:
-            break
-        size = new
-        time.sleep(quiet)
-    return read_log(path)
-
-
 def ids_of(kind: str, n: int, prefix: str = "x") -> list[str]:
     """``n`` IDs to which ``--faults demo`` gives the fault ``kind``."""
     out = []
@@ -261,7 +248,7 @@ def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
             proc.kill()
             proc.wait()
     durable = durable_ok_ids(state)
-    log_at_kill = settle_log(mock.log_path)
+    log_at_kill = mock.settled_log(timeout=10)
     return {"mock": mock, "ids": ids, "state": state, "cfg": cfg, "durable": durable,
             "log_at_kill": log_at_kill}
 
@@ -336,7 +323,7 @@ def test_signal_flushes_and_rerun_refetches_nothing_that_succeeded(
     out = (tmp_path / "first.out").read_text()
     assert rc == code, (tmp_path / "first.err").read_text()
     assert "asyncrawl: stopped early" in out and f"stopped by {sig.name}" in out
-    first_log = settle_log(mock.log_path)
+    first_log = mock.settled_log(timeout=10)
     paid_first = set(answers(first_log))
     assert 300 < len(paid_first) < len(ids)
     assert durable_ok_ids(state) == paid_first  # everything answered 200 was recorded

@@ -28,7 +28,6 @@ from .test_cli import (
     ids_of,
     jsonl,
     popen_cli,
-    settle_log,
     starts,
     status_json,
     wait_until,
@@ -63,7 +62,7 @@ def started_after(log: list[LogEntry], t: float) -> list[str]:
 
 def rerun_fetches_nothing_that_succeeded(cfg: Path, mock: Any, durable: set[str],
                                          *flags: str) -> list[LogEntry]:
-    before = len(settle_log(mock.log_path))
+    before = len(mock.settled_log(timeout=10))
     r = cli("run", "-c", str(cfg), "--no-progress", *flags, env=ENV)
     assert r.returncode == 0, r.stderr
     log = read_log(mock.log_path)
@@ -89,7 +88,7 @@ def test_signal_in_pass_1_lets_requests_in_flight_finish_and_keeps_them(
     rc, took, sent_at = signal_and_wait(proc, sig)
     assert rc == code, (tmp_path / "run.err").read_text()
     assert took < 5 + 2  # within the grace period
-    log = settle_log(mock.log_path)
+    log = mock.settled_log(timeout=10)
     assert started_after(log, sent_at + 0.5) == []  # nothing new after the signal
     in_flight_at_signal = {e.id for e in log if e.event == "start" and e.t <= sent_at} - {
         e.id for e in log if e.event == "end" and e.t <= sent_at}
@@ -126,7 +125,7 @@ def test_requests_cut_off_by_the_grace_period_are_exactly_the_in_doubt_ones(
     assert took < 3.5  # the grace period (1 s) or the second signal ended it, not the answers
     if grace == 1:
         assert took > 0.5  # ... after waiting for the grace period
-    log = settle_log(mock.log_path)
+    log = mock.settled_log(timeout=10)
     assert started_after(log, sent_at + 0.5) == []
     assert durable_ok_ids(state) == set()
     cut_off = set(starts(log))
@@ -173,7 +172,7 @@ def test_signal_during_the_cool_down_skips_pass_2_at_once(
     assert time.monotonic() - t_pass_1 < 5  # well before the cool-down (5 s) was over
     assert took < 2 + 1.5  # within the grace period (nothing was in flight)
     assert "stopped early" in (tmp_path / "run.out").read_text()
-    log = settle_log(mock.log_path)
+    log = mock.settled_log(timeout=10)
     assert starts(log)[missing] == 1  # pass 2 never started
     durable = durable_ok_ids(state)
     assert durable == set(good)
@@ -197,7 +196,7 @@ def test_signal_during_pass_2(tmp_path: Path, mock_process: Any, sig: signal.Sig
     rc, took, sent_at = signal_and_wait(proc, sig)
     assert rc == code, (tmp_path / "run.err").read_text()
     assert took < 2 + 1.5  # within the grace period: parked retries are not waited for
-    log = settle_log(mock.log_path)
+    log = mock.settled_log(timeout=10)
     assert started_after(log, sent_at + 0.5) == []
     assert all(starts(log)[g] < 3 + 3 for g in gone)  # pass 2 was cut short
     durable = durable_ok_ids(state)
