@@ -9,19 +9,26 @@ requests in flight:
 * ``baseline``  -- the cheapest reasonable aiohttp client: an ``asyncio.Queue`` of IDs, N tasks,
   one ``ClientSession`` (``TCPConnector(limit=N)``); each task GETs, ``await resp.read()``,
   ``orjson.loads`` -- nothing else.
-* ``asyncrawl`` -- ``Crawler(Config(...)).run(ids)`` with the rate limit set out of the way
+* ``cli``       -- asyncrawl as its users run it: ``asyncrawl run -c bench.toml`` (in the worker
+  process, through ``asyncrawl.cli.main``), the IDs in a file, the rate limit set out of the way
   (rate 1e6/s, burst 1e5) but durability on: every result is journalled with fsync group commit
-  into a fresh state directory on the normal disk.
+  into a fresh state directory on the normal disk. This includes what the command does around
+  the crawl (reading and checking the IDs file, progress lines, its garbage-collector policy).
+* ``library``   -- the same crawl through the library API, ``Crawler(Config(...)).run(ids)``, in an
+  application that leaves Python's garbage collector at its defaults.
 
-Both clients run in the default asyncio event loop, each run in a fresh Python subprocess,
-alternating (baseline, asyncrawl, baseline, ...) for ``--rounds`` rounds. The timed section covers
+All run in the default asyncio event loop, each run in a fresh Python subprocess, alternating
+(baseline, cli, library, baseline, ...) for ``--rounds`` rounds. The timed section covers
 session/crawler setup, all requests, and teardown (for asyncrawl: the final fsync); interpreter
-start-up and imports are excluded.
+start-up, imports and writing the input files are excluded.
 
 How to read the result
 ----------------------
-``ratio = median(asyncrawl req/s) / median(baseline req/s)``. 1.0 means the library costs nothing
-over a bare aiohttp loop; 0.8 means it reaches 80 % of its throughput. The ratio is the figure to
+``ratio = median(cli req/s) / median(baseline req/s)``, the figure for asyncrawl; ``library ratio``
+is the same for ``library``. 1.0 means asyncrawl costs nothing over a bare aiohttp loop; 0.8 means
+it reaches 80 % of its throughput. The two differ mainly by the garbage collector: the CLI raises
+the young-generation threshold for its process (``asyncrawl.cli.tune_gc``), the library leaves
+that to the application. The ratio is the figure to
 compare across machines; absolute req/s depend on the CPU. The client is CPU-bound (the machine
 this was written on has 2 cores), so the report also gives each worker's CPU time and CPU per
 request ("cpu us/req"): the library's overhead shows up there directly. "nginx cpu" is the nginx
@@ -33,9 +40,9 @@ Usage::
     .venv/bin/python bench/throughput.py [--requests 20000] [--concurrency 64] [--rounds 3] [--json]
         [--intent-cost]
 
-``--intent-cost`` adds a third kind, ``no-intent``: asyncrawl with the durable "sent" record
+``--intent-cost`` adds a kind, ``no-intent``: the ``library`` crawl with the durable "sent" record
 (written before each request, for the in-doubt report) switched off in the worker process, and
-prints ``1 - median(asyncrawl) / median(no-intent)``, what that record costs.
+prints ``1 - median(library) / median(no-intent)``, what that record costs.
 
 Needs nginx (Debian: ``apt-get install -y nginx-light``); exits 2 with that hint when missing.
 """
@@ -63,7 +70,7 @@ from typing import Any, TextIO
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-KINDS = ("baseline", "asyncrawl")
+KINDS = ("baseline", "cli", "library")
 NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
@@ -102,6 +109,41 @@ async def run_baseline(base: str, n: int, concurrency: int) -> int:
     return ok
 
 
+def bench_config(base: str, concurrency: int, state_dir: str) -> dict[str, Any]:
+    """The crawl both asyncrawl kinds run: rate limit out of the way, durability on."""
+    return {"url": base + "/items/{id}", "concurrency": concurrency, "rate": 1_000_000.0,
+            "burst": 100_000, "state_dir": state_dir, "cooldown": 0.0, "max_tries": 3}
+
+
+def cli_files(base: str, n: int, concurrency: int, state_dir: str) -> list[str]:
+    """Write the IDs file and config.toml for ``asyncrawl run`` next to ``state_dir``; its
+    arguments."""
+    c = bench_config(base, concurrency, state_dir)
+    work = Path(state_dir).parent
+    ids = work / "ids.txt"
+    ids.write_text("".join(f"{i}\n" for i in range(n)))
+    cfg = work / "bench.toml"
+    cfg.write_text(
+        f'[source]\nids = "{ids}"\n[request]\nurl = "{c["url"]}"\n'
+        f'[limits]\nconcurrency = {concurrency}\nrate = {c["rate"]}\nburst = {c["burst"]}\n'
+        f'[retry]\nmax_tries = {c["max_tries"]}\n[passes]\ncooldown = {c["cooldown"]}\n'
+        f'[state]\ndir = "{state_dir}"\n'
+    )
+    return ["run", "-c", str(cfg)]
+
+
+def run_cli(argv: list[str], state_dir: str) -> int:
+    """``asyncrawl run`` in this process (it runs its own event loop). Returns the IDs it
+    recorded ok, read back from the journal."""
+    from asyncrawl.cli import main as asyncrawl_main
+    from asyncrawl.journal import load_state
+
+    code = asyncrawl_main(argv)
+    if code != 0:
+        print(f"asyncrawl run exited {code}", file=sys.stderr)
+    return load_state(Path(state_dir)).counts()["ok"]
+
+
 async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
                         intent: bool = True) -> int:
     """asyncrawl through its public library API, durability on. Returns summary.ok.
@@ -120,15 +162,7 @@ async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
         Crawler._intent = no_intent  # type: ignore[method-assign]  # this worker process only
 
     ids = [str(i) for i in range(n)]
-    cfg = Config(
-        url=base + "/items/{id}",
-        concurrency=concurrency,
-        rate=1_000_000.0,
-        burst=100_000,
-        state_dir=state_dir,
-        cooldown=0.0,
-        max_tries=3,
-    )
+    cfg = Config(**bench_config(base, concurrency, state_dir))
     async with Crawler(cfg) as crawler:
         summary = await crawler.run(ids)
     return int(summary.ok)
@@ -153,7 +187,13 @@ def worker_main(args: argparse.Namespace) -> int:
                                      intent=args.worker != NO_INTENT)
         return ok, time.perf_counter() - t0, time.process_time() - cpu0
 
-    ok, elapsed, cpu = asyncio.run(timed())
+    if args.worker == "cli":
+        argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        ok = run_cli(argv, args.state_dir)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    else:
+        ok, elapsed, cpu = asyncio.run(timed())
     result = {"kind": args.worker, "ok": ok, "elapsed_s": elapsed, "cpu_s": cpu}
     sys.stdout.write(json.dumps(result) + "\n")
     if ok != args.requests:
@@ -412,7 +452,7 @@ def driver_main(args: argparse.Namespace) -> int:
     if args.intent_cost:
         kinds.append(NO_INTENT)
     skipped: str | None = None
-    if "asyncrawl" in kinds:
+    if set(kinds) - {"baseline"}:
         reason = asyncrawl_available()
         if reason is not None:
             skipped = f"asyncrawl not importable ({reason}); running the baseline only"
@@ -454,9 +494,10 @@ def driver_main(args: argparse.Namespace) -> int:
     cpu_medians = {
         kind: statistics.median(r.cpu_us_per_req for r in runs if r.kind == kind) for kind in kinds
     }
-    ratio = (
-        medians["asyncrawl"] / medians["baseline"] if {"asyncrawl", "baseline"} <= medians.keys() else None
-    )
+    def ratio_of(kind: str) -> float | None:
+        return medians[kind] / medians["baseline"] if {kind, "baseline"} <= medians.keys() else None
+
+    ratio, library_ratio = ratio_of("cli"), ratio_of("library")
     nginx_max = max(r.nginx_cpu_share for r in runs)
     warnings = []
     if nginx_max > NGINX_BUSY_WARN:
@@ -473,16 +514,17 @@ def driver_main(args: argparse.Namespace) -> int:
             f"median {kind:<9} {medians[kind]:9.0f} req/s   {cpu_medians[kind]:6.0f} us CPU/req",
             file=out,
         )
-    if ratio is not None:
-        cpu_ratio = cpu_medians["asyncrawl"] / cpu_medians["baseline"]
-        print(f"ratio = median(asyncrawl) / median(baseline) = {ratio:.3f}", file=out)
-        print(f"CPU per request, asyncrawl / baseline = {cpu_ratio:.2f}x", file=out)
-    else:
+    for kind, value, label in (("cli", ratio, "ratio"), ("library", library_ratio, "library ratio")):
+        if value is not None:
+            cpu_ratio = cpu_medians[kind] / cpu_medians["baseline"]
+            print(f"{label} = median({kind}) / median(baseline) = {value:.3f}   "
+                  f"(CPU per request {cpu_ratio:.2f}x)", file=out)
+    if ratio is None and library_ratio is None:
         print("ratio = n/a (asyncrawl side not run)", file=out)
     intent_cost = None
-    if {"asyncrawl", NO_INTENT} <= medians.keys():
-        intent_cost = 1 - medians["asyncrawl"] / medians[NO_INTENT]
-        print(f"intent cost = 1 - median(asyncrawl) / median({NO_INTENT}) = {intent_cost:+.1%} "
+    if {"library", NO_INTENT} <= medians.keys():
+        intent_cost = 1 - medians["library"] / medians[NO_INTENT]
+        print(f"intent cost = 1 - median(library) / median({NO_INTENT}) = {intent_cost:+.1%} "
               "(negative: faster with it)", file=out)
     for w in warnings:
         print(f"WARNING: {w}", file=out)
@@ -500,6 +542,7 @@ def driver_main(args: argparse.Namespace) -> int:
                     "median_rps": medians,
                     "median_cpu_us_per_req": cpu_medians,
                     "ratio": ratio,
+                    "library_ratio": library_ratio,
                     "intent_cost": intent_cost,
                     "nginx_max_cpu_share": nginx_max,
                     "warnings": warnings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import csv
+import gc
 import inspect
 import io
 import json
@@ -658,3 +659,57 @@ def test_periodic_progress_lines_off_a_terminal(tmp_path: Path, mock_process: An
 
     r = run("without", "--no-progress")
     assert "req/s" not in r.stderr and not re.search(r"\bok \d+", r.stderr)
+
+
+# -- 10. the CLI's garbage-collector policy ----------------------------------------------------
+
+
+def test_tune_gc_raises_only_a_lower_young_threshold() -> None:
+    from asyncrawl.cli import GC_YOUNG_THRESHOLD, tune_gc
+
+    saved, enabled = gc.get_threshold(), gc.isenabled()
+    try:
+        gc.set_threshold(700, 10, 10)
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, 10, 10)
+        gc.set_threshold(GC_YOUNG_THRESHOLD * 5, 3, 4)  # an operator's own, higher setting stays
+        tune_gc()
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD * 5, 3, 4)
+        gc.set_threshold(700, 10, 10)
+        gc.disable()  # a collector switched off stays off and untouched
+        tune_gc()
+        assert gc.get_threshold() == (700, 10, 10) and not gc.isenabled()
+    finally:
+        gc.set_threshold(*saved)
+        if enabled:
+            gc.enable()
+
+
+def test_run_applies_the_gc_policy_and_library_use_does_not(
+        tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(20)])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids)
+    probe = ("import gc, sys\n"
+             "from asyncrawl.cli import main\n"
+             "code = main(sys.argv[1:])\n"
+             "print('young threshold', gc.get_threshold()[0])\n"
+             "sys.exit(code)\n")
+    r = subprocess.run([sys.executable, "-c", probe, "run", "-c", str(cfg), "--no-progress"],
+                       capture_output=True, text=True, env={**os.environ, **ENV}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "young threshold 10000" in r.stdout
+
+    library = ("import asyncio, gc\n"
+               "from asyncrawl import Config, Crawler\n"
+               "async def main():\n"
+               f"    cfg = Config(url={mock.item_url!r}, state_dir={str(tmp_path / 'lib')!r},\n"
+               f"                 headers={{'X-Api-Key': {KEY!r}}})\n"
+               "    async with Crawler(cfg) as c:\n"
+               "        s = await c.run(['a', 'b'])\n"
+               "    print('ok', s.ok, 'young threshold', gc.get_threshold()[0])\n"
+               "asyncio.run(main())\n")
+    r = subprocess.run([sys.executable, "-c", library], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "ok 2 young threshold 700" in r.stdout
