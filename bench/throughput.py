@@ -132,15 +132,17 @@ def cli_files(base: str, n: int, concurrency: int, state_dir: str) -> list[str]:
     return ["run", "-c", str(cfg)]
 
 
-def run_cli(argv: list[str], state_dir: str) -> int:
-    """``asyncrawl run`` in this process (it runs its own event loop). Returns the IDs it
-    recorded ok, read back from the journal."""
+def run_cli(argv: list[str]) -> int:
+    """``asyncrawl run`` in this process (it runs its own event loop); its exit code."""
     from asyncrawl.cli import main as asyncrawl_main
+
+    return asyncrawl_main(argv)
+
+
+def journal_ok(state_dir: str) -> int:
+    """The IDs recorded ok in a state directory (read after the timed section)."""
     from asyncrawl.journal import load_state
 
-    code = asyncrawl_main(argv)
-    if code != 0:
-        print(f"asyncrawl run exited {code}", file=sys.stderr)
     return load_state(Path(state_dir)).counts()["ok"]
 
 
@@ -190,8 +192,11 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.worker == "cli":
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        ok = run_cli(argv, args.state_dir)
+        code = run_cli(argv)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        if code != 0:
+            print(f"asyncrawl run exited {code}", file=sys.stderr)
+        ok = journal_ok(args.state_dir)
     else:
         ok, elapsed, cpu = asyncio.run(timed())
     result = {"kind": args.worker, "ok": ok, "elapsed_s": elapsed, "cpu_s": cpu}
