@@ -467,18 +467,15 @@ class Crawler:
         outcome = self._journal.state.outcome
         for rec in records:
             kind = rec.kind
+            self.billable += rec.paid  # outcome and "billed" records; the others carry 0
             if kind == "ok":
                 self.ok += 1
             elif kind == "failed":
                 self.failed += 1
             elif kind == "unavailable":
                 self.unavailable += 1
-            elif kind == "billed":
-                self.billable += rec.paid
-                continue
             else:
                 continue
-            self.billable += rec.paid
             if outcome.get(rec.id) != "ok":  # type: ignore[arg-type]
                 outcome[rec.id] = "perm" if kind == "failed" and rec.permanent else kind  # type: ignore[index]
             if self.on_result is not None:

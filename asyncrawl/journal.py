@@ -213,10 +213,9 @@ class State:
                 self.outcome[item] = "perm" if kind == "failed" and rec.get("perm") else kind
             if kind == "ok" and item in self.in_doubt:
                 self.in_doubt[item] = True
-            if rec.get("paid"):
-                self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
+            self._bill(rec)
         elif kind == "billed":
-            self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
+            self._bill(rec)
         elif kind == "run":
             self.close_run(crashed=True)
             self.runs += 1
@@ -229,6 +228,10 @@ class State:
                 self.in_doubt.setdefault(item, False)
             self.in_flight.clear()
             self.run_open = False
+
+    def _bill(self, rec: dict[str, Any]) -> None:
+        if rec.get("paid"):
+            self.billable_by_day[time.strftime("%Y-%m-%d", time.gmtime(rec["ts"]))] += rec["paid"]
 
     def close_run(self, *, crashed: bool) -> None:
         """The open run is over (``crashed``: without its ``end`` record)."""

@@ -169,6 +169,7 @@ class Worker:
             self.idle.clear()
             self.requests += 1
             attempt = await fetcher.attempt(item.id)  # never raises but CancelledError
+            del held[id(item)]  # no await from here on: it is parked or handled below
             flying.discard(item.id)
             self.in_flight -= 1
             if self.in_flight == 0:
@@ -191,11 +192,9 @@ class Worker:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
                 # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1
-                del held[id(item)]
                 self.parking.park(item, 0.0)
                 continue
             item.needs_budget = retry and not limited
-            del held[id(item)]
             self.handle(item, attempt)
             if budget.exhausted:
                 self.halt("budget", None)

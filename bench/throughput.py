@@ -132,13 +132,6 @@ def cli_files(base: str, n: int, concurrency: int, state_dir: str) -> list[str]:
     return ["run", "-c", str(cfg)]
 
 
-def run_cli(argv: list[str]) -> int:
-    """``asyncrawl run`` in this process (it runs its own event loop); its exit code."""
-    from asyncrawl.cli import main as asyncrawl_main
-
-    return asyncrawl_main(argv)
-
-
 def journal_ok(state_dir: str) -> int:
     """The IDs recorded ok in a state directory (read after the timed section)."""
     from asyncrawl.journal import load_state
@@ -178,7 +171,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import orjson  # noqa: F401
 
     if args.worker != "baseline":
-        import asyncrawl  # noqa: F401
+        import asyncrawl.cli  # (the cli kind calls it; imported for both asyncrawl kinds)
 
     async def timed() -> tuple[int, float, float]:
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -192,7 +185,7 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.worker == "cli":
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        code = run_cli(argv)
+        code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if code != 0:
             print(f"asyncrawl run exited {code}", file=sys.stderr)
