@@ -402,9 +402,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             headers={"X-Api-Key": api_key}, rate=args.rate,
                             burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,
                             max_tries=4, backoff_base=0.2, backoff_max=2.0, cooldown=2.0,
-                            timeout=5.0, retry_after_max=2.0, progress_interval=2.0,
-                            # 15% of the demo's IDs misbehave: allow retries up to half the traffic
-                            retry_budget=0.5, retry_budget_floor=50.0)
+                            timeout=5.0, retry_after_max=2.0, progress_interval=2.0)
             total = prescan_file(str(ids_file))
             summary = await _run(config, ids_path=str(ids_file), total=total,
                                  progress=not args.no_progress)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import logging
 import math
 import os
 import re
@@ -27,6 +28,8 @@ from typing import Any
 from urllib.parse import quote, quote_plus, urlsplit
 
 from .errors import ConfigError
+
+log = logging.getLogger("asyncrawl")
 
 DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
@@ -71,8 +74,6 @@ class Config:
     burst: int | None = None
     max_requests: int | None = None
     adaptive: bool = True
-    retry_budget: float = 0.1
-    retry_budget_floor: float = 1.0
     breaker: bool = True
     breaker_probe_max: float = 10.0
     max_tries: int = 5
@@ -181,6 +182,10 @@ class Config:
                 raise ConfigError("must be a table", key=f"[{section}]", path=path)
             for key, value in body.items():
                 dotted = f"{section}.{key}"
+                if dotted in REMOVED_KEYS:
+                    log.warning("%s: %s is ignored (removed: %s); delete it",
+                                path or "config", dotted, REMOVED_KEYS[dotted])
+                    continue
                 if dotted not in TOML_KEYS:
                     known = ", ".join(k.split(".", 1)[1] for k in TOML_KEYS if k.startswith(section + "."))
                     raise ConfigError(f"unknown key; [{section}] takes {known}", key=dotted, path=path)
@@ -260,8 +265,6 @@ TOML_KEYS: dict[str, str] = {
     "limits.burst": "burst",
     "limits.max_requests": "max_requests",
     "limits.adaptive": "adaptive",
-    "limits.retry_budget": "retry_budget",
-    "limits.retry_budget_floor": "retry_budget_floor",
     "limits.breaker": "breaker",
     "limits.breaker_probe_max": "breaker_probe_max",
     "retry.max_tries": "max_tries",
@@ -285,6 +288,12 @@ TOML_KEYS: dict[str, str] = {
     "billing.max_spend": "max_spend",
 }
 TOML_SECTIONS = frozenset(k.split(".")[0] for k in TOML_KEYS)
+# Keys of earlier versions that no longer do anything: accepted with a warning, so that an
+# upgrade does not stop a job whose config still has them.
+REMOVED_KEYS: dict[str, str] = {
+    "limits.retry_budget": "retries now share the job's rate limit like first tries",
+    "limits.retry_budget_floor": "retries now share the job's rate limit like first tries",
+}
 FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
 
 
@@ -394,7 +403,7 @@ def _validate(c: Config) -> None:
         v = getattr(c, name)
         if name in ("timeout", "rate", "backoff_base", "backoff_max", "cooldown", "grace",
                     "retry_after_max", "progress_interval", "price_per_call", "max_spend",
-                    "retry_budget", "retry_budget_floor", "breaker_probe_max", "connect_timeout",
+                    "breaker_probe_max", "connect_timeout",
                     "read_timeout"):
             if v is None and name in ("price_per_call", "max_spend", "connect_timeout", "read_timeout"):
                 continue
@@ -430,12 +439,11 @@ def _validate(c: Config) -> None:
                     raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
 
     positive = ("timeout", "rate", "concurrency", "burst", "max_tries", "max_body_bytes",
-                "progress_interval", "retry_after_max", "retry_budget_floor", "breaker_probe_max")
+                "progress_interval", "retry_after_max", "breaker_probe_max")
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
-    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects",
-                 "retry_budget"):
+    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects"):
         if getattr(c, name) < 0:
             raise bad(name, f"must not be negative, got {getattr(c, name)!r}")
     for name in ("max_requests",):

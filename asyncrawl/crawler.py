@@ -37,7 +37,7 @@ from .alerts import send_alerts
 from .config import Config
 from .errors import AsyncrawlError, StorageError
 from .fetch import Attempt, Classifier, Fetcher, Outcome, Request
-from .governor import Breaker, Budget, Governor, RetryBudget
+from .governor import Breaker, Budget, Governor
 from .journal import Journal, Record, Writer
 from .source import CHUNK_IDS, IdsFile, id_chunks, prescan_file
 from .worker import IdQueue, Item, Parking, Worker
@@ -95,8 +95,6 @@ class Progress:
     effective_rate: float = 0.0  # the governor's current rate limit (req/s)
     configured_rate: float = 0.0
     breaker_open: bool = False
-    retry_budget_spent: int = 0  # retries the retry budget granted so far
-    retry_budget_waiting: bool = False  # a retry is held back by the budget right now
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +282,7 @@ class Crawler:
         ticker = asyncio.create_task(self._tick(), name="asyncrawl-progress")
         self._governor = Governor(
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
-            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None,
-            retry_budget=RetryBudget(ratio=cfg.retry_budget, floor=cfg.retry_budget_floor,
-                                     capacity=max(10.0, cfg.retry_budget * cfg.rate * 10)))
+            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None)
         self._budget_limit = cfg.request_budget
         budget = Budget(self._budget_limit)
         fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify)
@@ -367,13 +363,14 @@ class Crawler:
         self.pass_no = pass_no
         self._wake.clear()
         queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
-        parking = Parking(queue, self._governor.retry_budget if self._governor else None)
+        parking = Parking(queue)
         workers = self._workers = Worker(
             config=cfg, queue=queue, parking=parking, governor=self._governor,  # type: ignore[arg-type]
             budget=budget, fetcher=fetcher, halted=self.halted, settle=self._settle,
             halt=self._on_halt, intent=self._intent, pass_no=pass_no)
         self._outstanding = 0
         self._feeding = True
+        self._governor.unsent = lambda: self._feeding or workers.unsent > 0  # type: ignore[union-attr]
         producer = asyncio.create_task(self._produce(ids, queue), name=f"asyncrawl-producer-{pass_no}")
         feeder = asyncio.create_task(parking.run(), name=f"asyncrawl-parking-{pass_no}")
         tasks = [asyncio.create_task(workers.run(), name=f"asyncrawl-worker-{pass_no}-{i}")
@@ -413,6 +410,7 @@ class Crawler:
                 if halted.is_set():
                     break
                 self._outstanding += 1
+                self._workers.unsent += 1  # type: ignore[union-attr]
                 await queue.put(Item(item))
             if halted.is_set():
                 break
@@ -510,7 +508,6 @@ class Crawler:
             if settled_here and elapsed > 1:
                 eta = left / (settled_here / elapsed)
         g = self._governor
-        rb = g.retry_budget if g else None
         return Progress(
             pass_no=self.pass_no, total=self.total, done=done, ok=self.ok, failed=self.failed,
             unavailable=self.unavailable, skipped=self.skipped,
@@ -519,9 +516,7 @@ class Crawler:
             paused_for=g.paused_for if g else 0.0,
             elapsed=now - self._started, eta=eta, cooling_down=self._cooling,
             effective_rate=g.effective_rate if g else self.config.rate,
-            configured_rate=self.config.rate, breaker_open=g.breaker_open if g else False,
-            retry_budget_spent=rb.spent if rb else 0,
-            retry_budget_waiting=bool(rb and rb.tokens < 1.0))
+            configured_rate=self.config.rate, breaker_open=g.breaker_open if g else False)
 
     async def _tick(self) -> None:
         """Every second: the live snapshot for ``asyncrawl status``; and ``on_progress``."""

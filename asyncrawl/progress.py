@@ -39,8 +39,6 @@ def _flags(p: Progress) -> list[str]:
         flags.append(f"paused {p.paused_for:.0f}s (server asked)")
     if p.breaker_open:
         flags.append("upstream down: probing")
-    if p.retry_budget_waiting:
-        flags.append("retries held (retry budget)")
     return flags
 
 

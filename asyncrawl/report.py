@@ -144,9 +144,6 @@ def status_text(s: dict[str, Any]) -> str:
             if live["paused_for"] > 0:
                 gov += f", paused {live['paused_for']:.0f}s (Retry-After)"
             gov += ", breaker OPEN (upstream down, probing)" if live["breaker_open"] else ", breaker closed"
-            gov += f", retry budget used {live['retry_budget_spent']:,}"
-            if live["retry_budget_waiting"]:
-                gov += " (retries held)"
             lines.append(f"governor     {gov}")
     if s["halt"]:
         h = s["halt"]

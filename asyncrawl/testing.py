@@ -47,13 +47,15 @@ from urllib.parse import quote
 import orjson
 from aiohttp import web
 
-__all__ = ["Fault", "LogEntry", "MockAPI", "demo_faults", "main", "no_faults", "payload_for",
-           "read_log"]
+__all__ = ["Fault", "LogEntry", "MockAPI", "demo_faults", "flaky_faults", "main", "no_faults",
+           "payload_for", "read_log"]
 
 KINDS = frozenset({"ok", "not_found", "bad_request", "gone", "flaky", "rate_limited", "slow",
-                   "drop", "invalid_json", "error_in_body"})
+                   "stall", "drop", "invalid_json", "error_in_body"})
 _ALWAYS = {"not_found": 404, "bad_request": 400, "gone": 500}  # status for every attempt
-_FIRST_TIMES = frozenset({"flaky", "rate_limited", "drop", "invalid_json"})  # use `times`
+_FIRST_TIMES = frozenset({"flaky", "rate_limited", "stall", "drop", "invalid_json"})  # use `times`
+# the status a kind answers with when Fault.status is not given
+_DEFAULT_STATUS = {**_ALWAYS, "flaky": 503, "stall": 504, "error_in_body": 402}
 _JSON = "application/json"
 
 
@@ -62,10 +64,12 @@ class Fault:
     """How the mock answers one ID.
 
     ``kind`` is one of: ``ok``; ``not_found`` / ``bad_request`` / ``gone`` (404 / 400 / 500 on
-    every attempt); ``flaky`` (503), ``rate_limited`` (429 + ``Retry-After``), ``drop`` (connection
-    closed, no response) and ``invalid_json`` (200 with a truncated JSON body), each for the first
-    ``times`` attempts and then ok; ``slow`` (ok after ``delay`` seconds); ``error_in_body`` (200
-    with ``{"code": status, "message": ...}`` on every attempt, never billed).
+    every attempt); ``flaky`` (503), ``rate_limited`` (429 + ``Retry-After``), ``stall`` (504
+    after ``delay`` seconds), ``drop`` (connection closed, no response) and ``invalid_json`` (200
+    with a truncated JSON body), each for the first ``times`` attempts and then ok; ``slow`` (ok
+    after ``delay`` seconds); ``error_in_body`` (200 with ``{"code": status, "message": ...}`` on
+    every attempt, never billed). ``status`` overrides the HTTP status of ``gone``, ``flaky`` and
+    ``stall`` (e.g. ``Fault("gone", status=503)``) and is the code inside ``error_in_body``.
     """
 
     kind: str = "ok"
@@ -73,13 +77,15 @@ class Fault:
     retry_after: float = 1.0
     http_date: bool = False  # Retry-After as an RFC 9110 IMF-fixdate instead of seconds
     delay: float = 0.0
-    status: int = 402  # the code inside an error_in_body answer
+    status: int | None = None  # None: the kind's own (see _DEFAULT_STATUS)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}; use one of {sorted(KINDS)}")
         if self.times < 0 or self.retry_after < 0 or self.delay < 0:
             raise ValueError("Fault times, retry_after and delay must be >= 0")
+        if self.status is None and self.kind in _DEFAULT_STATUS:
+            object.__setattr__(self, "status", _DEFAULT_STATUS[self.kind])
 
 
 _OK = Fault()
@@ -139,6 +145,37 @@ def demo_faults(item_id: str) -> Fault:
     """
     bucket = _crc(b"fault:", item_id) % 1000
     return _DEMO_TABLE[bucket] if bucket < len(_DEMO_TABLE) else _OK
+
+
+# Per-mille shares of the flaky mixture (issue 11's realistic fault mix); the remaining 757 are ok.
+_FLAKY_MIX: tuple[tuple[int, Fault], ...] = (
+    (34, Fault("flaky", times=1, status=500)),
+    (33, Fault("flaky", times=2, status=502)),
+    (33, Fault("flaky", times=3, status=503)),
+    (30, Fault("flaky", times=6, status=500)),  # outlasts max_tries = 5: succeeds in pass 2
+    (10, Fault("gone", status=503)),  # always 503: confirmed unavailable after pass 2
+    (20, Fault("stall", delay=3.0)),  # 3 s, then 504 (a client timeout cuts it sooner)
+    (10, Fault("drop", times=1)),  # invisible to a GET client: aiohttp resends it once
+    (50, Fault("not_found")),
+    (20, Fault("bad_request")),
+    (3, Fault("rate_limited", times=1, retry_after=1.0)),
+)
+_FLAKY_TABLE: tuple[Fault, ...] = tuple(f for n, f in _FLAKY_MIX for _ in range(n))
+
+
+def flaky_faults(item_id: str) -> Fault:
+    """A healthy but flaky server, deterministic by ``zlib.crc32`` of the ID: about 17% of IDs
+    need retries and 7% are bad.
+
+    10% answer 500/502/503 one to three times, then 200; 3% answer 500 six times, then 200;
+    1% always 503; 2% stall 3 s, then 504 (once); 1% drop the connection once; 5% 404; 2% 400;
+    0.3% 429 with ``Retry-After: 1`` once. The rest are ok.
+    """
+    bucket = _crc(b"flaky:", item_id) % 1000
+    return _FLAKY_TABLE[bucket] if bucket < len(_FLAKY_TABLE) else _OK
+
+
+FAULT_MIXES: dict[str, Callable[[str], Fault]] = {}  # filled below: name -> mixture
 
 
 def no_faults(item_id: str) -> Fault:
@@ -350,12 +387,16 @@ class MockAPI:
             self._attempts[item_id] += 1
             early = self._attempts[item_id] <= fault.times
         if kind in _ALWAYS:
-            return _error(_ALWAYS[kind], _phrase(_ALWAYS[kind]).lower())
+            status = fault.status or _ALWAYS[kind]
+            return _error(status, _phrase(status).lower())
         if kind == "error_in_body":
             return _Reply(200, orjson.dumps({"code": fault.status,
                                              "message": _phrase(fault.status)}))
-        if early and kind == "flaky":
-            return _error(503, "service unavailable")
+        if early and kind in ("flaky", "stall"):
+            status = fault.status or 503
+            reply = _error(status, _phrase(status).lower())
+            reply.wait = fault.delay if kind == "stall" else 0.0
+            return reply
         if early and kind == "rate_limited":
             if fault.http_date:
                 when = email.utils.formatdate(math.ceil(time.time() + fault.retry_after),
@@ -449,6 +490,9 @@ class MockProcess:
             self.proc.stdout.close()
 
 
+FAULT_MIXES.update(demo=demo_faults, flaky=flaky_faults, none=no_faults)
+
+
 def _mapping_faults(faults: Mapping[str, Fault]) -> Callable[[str], Fault]:
     def lookup(item_id: str) -> Fault:
         return faults.get(item_id, _OK)
@@ -476,7 +520,7 @@ async def _serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     api = MockAPI(
-        faults=demo_faults if args.faults == "demo" else no_faults,
+        faults=FAULT_MIXES[args.faults],
         api_key=None if args.no_auth else args.api_key,
         balance=args.balance,
         latency=args.latency,
@@ -512,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     auth.add_argument("--api-key", default="demo-key", help="required key (default: demo-key)")
     auth.add_argument("--no-auth", action="store_true", help="accept requests without a key")
     parser.add_argument("--balance", type=int, default=None, help="paid answers before 402s")
-    parser.add_argument("--faults", choices=["demo", "none"], default="demo")
+    parser.add_argument("--faults", choices=sorted(FAULT_MIXES), default="demo",
+                        help="demo (default): demo_faults; flaky: flaky_faults; none: all ok")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds added to each answer")
     parser.add_argument("--log", default=None, help="append every request event as JSON lines")
     parser.add_argument("--quota", type=float, default=None, help="hard limit in requests/s")

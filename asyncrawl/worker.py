@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from .config import Config
 from .fetch import Attempt, Fetcher, Outcome
-from .governor import Budget, Governor, RetryBudget
+from .governor import Budget, Governor
 from .retry import retry_delay
 
 
@@ -33,7 +33,6 @@ class Item:
     id: str
     tries: int = 0
     paid: int = 0
-    needs_budget: bool = False  # its next try is a retry the retry budget must allow
 
 
 class IdQueue(asyncio.Queue[Item]):
@@ -50,12 +49,10 @@ class IdQueue(asyncio.Queue[Item]):
 
 
 class Parking:
-    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue,
-    once the retry budget (if any) allows their retry."""
+    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue."""
 
-    def __init__(self, queue: asyncio.Queue[Item], budget: RetryBudget | None = None) -> None:
+    def __init__(self, queue: asyncio.Queue[Item]) -> None:
         self._queue = queue
-        self._budget = budget
         self._heap: list[tuple[float, int, Item]] = []
         self._seq = itertools.count()
         self._wake = asyncio.Event()
@@ -92,12 +89,6 @@ class Parking:
                         await self._wake.wait()
                 continue
             _, _, item = heapq.heappop(self._heap)
-            if item.needs_budget and self._budget is not None:
-                wait = self._budget.spend(self._loop.time())
-                if wait > 0:
-                    self.park(item, wait)
-                    continue
-                item.needs_budget = False
             await self._queue.put(item)
 
 
@@ -141,6 +132,7 @@ class Worker:
         self.idle.set()
         self.requests = 0
         self.retries = 0
+        self.unsent = 0  # IDs of this pass not tried yet (queued, or held before their first send)
 
     def __repr__(self) -> str:
         return (f"<Worker pass={self.pass_no} queued={self.queue.qsize()} "
@@ -165,6 +157,8 @@ class Worker:
                 budget.release(False)  # no await between the last check and the send
                 return
             self.in_flight += 1
+            if item.tries == 0:
+                self.unsent -= 1
             flying.add(item.id)
             self.idle.clear()
             self.requests += 1
@@ -176,8 +170,6 @@ class Worker:
                 self.idle.set()
             budget.release(attempt.billable)
             first_try = item.tries == 0
-            if first_try and gov.retry_budget is not None:
-                gov.retry_budget.on_first_try()
             item.tries += 1
             item.paid += attempt.billable
             retry = attempt.outcome is Outcome.RETRY
@@ -192,9 +184,9 @@ class Worker:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
                 # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1
+                self.unsent += item.tries == 0
                 self.parking.park(item, 0.0)
                 continue
-            item.needs_budget = retry and not limited
             self.handle(item, attempt)
             if budget.exhausted:
                 self.halt("budget", None)

@@ -102,8 +102,7 @@ def asyncrawl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
 
 
 def write_config(path: Path, *, url: str, ids: Path, state: Path, concurrency: int) -> None:
-    # Retries and the cool-down are fast so that kills also land in pass 2 and the cool-down;
-    # the retry budget is the demo's (15 % of the IDs misbehave).
+    # Retries and the cool-down are fast so that kills also land in pass 2 and the cool-down.
     path.write_text(f"""\
 [source]
 ids = "{ids}"
@@ -116,11 +115,6 @@ X-Api-Key = "${{ASYNCRAWL_TORTURE_KEY}}"
 concurrency = {concurrency}
 rate = 3000
 burst = 300
-retry_budget = 0.5
-retry_budget_floor = 50
-# Off: near the end only IDs that always answer 500 ("gone") are left, and the outage breaker
-# then probes them forever without charging a try (a known liveness bug, see the report).
-breaker = false
 [retry]
 max_tries = {MAX_TRIES}
 backoff_base = 0.05

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncrawl.governor import Breaker, Budget, RateController, RetryBudget
+from asyncrawl.governor import Breaker, Budget, RateController
 
 
 def simulate_quota(quota: int, rate: float, seconds: float, latency: float = 0.002,
@@ -118,26 +118,6 @@ def test_breaker_ignores_a_scatter_of_failures() -> None:
         b.on_response(t, f"id{i}", failed=i % 7 == 0, probe=False)
         t += 0.003
     assert not b.open
-
-
-def test_retry_budget_allows_a_share_of_first_tries_plus_a_floor() -> None:
-    rb = RetryBudget(ratio=0.25, floor=1.0, capacity=100, now=0.0)
-    granted = sum(rb.spend(0.0) == 0 for _ in range(50))
-    assert granted == 10  # the initial allowance
-    for _ in range(40):
-        rb.on_first_try()
-    assert sum(rb.spend(0.0) == 0 for _ in range(50)) == 10  # a quarter of 40 first tries
-    assert rb.spend(0.0) == pytest.approx(1.0)  # the floor: one more after a second
-    assert rb.spend(1.0) == 0
-    assert rb.spent == 21
-
-
-def test_retry_budget_is_capped() -> None:
-    rb = RetryBudget(ratio=1.0, floor=1.0, capacity=5, now=0.0)
-    for _ in range(100):
-        rb.on_first_try()
-    assert rb.tokens == 5
-    assert sum(rb.spend(1000.0) == 0 for _ in range(10)) == 5
 
 
 async def test_budget_never_overshoots_with_requests_in_flight() -> None:

@@ -272,7 +272,7 @@ def hostile_config(url: str, state: Path | None = None, **kw: Any) -> Config:
                                    "X-Client": "asyncrawl-tests"}},
            "response": {"error_field": "error.code"},
            "limits": {"concurrency": 8, "rate": 1000, "breaker": False, "adaptive": False,
-                      "retry_budget": 1.0, "retry_budget_floor": 1000},
+                      },
            "retry": {"max_tries": 2, "backoff_base": 0.01, "backoff_max": 0.02},
            "passes": {"second_pass": False, "cooldown": 0},
            "run": {"grace": 1}}
@@ -479,7 +479,7 @@ def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostil
                                           "Cookie": "sid=${ASYNCRAWL_TEST_KEY}",
                                           "X-Signature": "v1 ${ASYNCRAWL_T_SIG}"},
                         response={"error_field": "error.code"},
-                        limits={"breaker": False, "retry_budget_floor": 1000},
+                        limits={"breaker": False},
                         retry={"max_tries": 2})
     log_file = tmp_path / "run.log"
     outputs: list[str] = []
@@ -733,7 +733,7 @@ async def test_tls_through_a_whole_run(tls_a: Hostile, pki: Pki, tmp_path: Path)
     fetches and warns on every run."""
     ids = ["t1", "t2", "t3"]
     base = dict(url=tls_a.item_url, max_tries=2, backoff_base=0.01, backoff_max=0.02,
-                second_pass=False, breaker=False, retry_budget_floor=1000.0, rate=1000.0)
+                second_pass=False, breaker=False, rate=1000.0)
     async with Crawler(Config(**base, state_dir=str(tmp_path / "s1"))) as c:
         s = await asyncio.wait_for(c.run(ids), 30)
     assert (s.ok, s.failed, s.exit_code) == (0, 3, 6)
