@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import Config
+from .config import UNSET_ENV, Config
 from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
 from .fetch import Response
@@ -110,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
 # -- config ------------------------------------------------------------------------------------
 
 
-def _headers(raw: list[str], secrets: set[str]) -> dict[str, str]:
+def _headers(raw: list[str], secrets: set[str], need_env: bool = True) -> dict[str, str]:
     def sub(m: re.Match[str]) -> str:
         var = m.group(1)
         if var not in os.environ:
+            if not need_env:
+                return UNSET_ENV + var
             raise ConfigError(f"environment variable ${{{var}}} used in -H is not set")
         secrets.add(os.environ[var])
         return os.environ[var]
@@ -127,8 +129,9 @@ def _headers(raw: list[str], secrets: set[str]) -> dict[str, str]:
     return out
 
 
-def load_config(args: argparse.Namespace, **overrides: Any) -> Config:
-    """The config file (``-c`` or ./config.toml) with command-line flags on top."""
+def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides: Any) -> Config:
+    """The config file (``-c`` or ./config.toml) with command-line flags on top.
+    ``need_env=False`` for commands that only read the state: they never need the secrets."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if getattr(args, "state", None):
         overrides["state_dir"] = args.state
@@ -140,12 +143,12 @@ def load_config(args: argparse.Namespace, **overrides: Any) -> Config:
                 return Config(url="http://unused/{id}", state_dir=overrides.get("state_dir", "state"))
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
         return Config(**overrides)
-    return Config.load(path, **overrides)
+    return Config.load(path, need_env=need_env, **overrides)
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     secrets: set[str] = set()
-    headers = _headers(args.header, secrets)
+    headers = _headers(args.header, secrets, need_env=not args.dry_run)
     return {
         "ids": args.ids, "url": args.url, "concurrency": args.concurrency, "rate": args.rate,
         "burst": args.burst, "max_tries": args.max_tries, "timeout": args.timeout,
@@ -158,7 +161,7 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _config_for_run(args: argparse.Namespace) -> Config:
     o = _run_overrides(args)
     headers, secrets = o.pop("_headers"), o.pop("_secrets")
-    cfg = load_config(args, **o)
+    cfg = load_config(args, need_env=not args.dry_run, **o)
     if headers or secrets:
         cfg = cfg.with_overrides(headers={**cfg.headers, **headers},
                                  secrets=cfg.secrets | frozenset(secrets))
@@ -360,7 +363,7 @@ def _dry_run(config: Config, ids_path: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    config = load_config(args)
+    config = load_config(args, need_env=False)
     has_config = bool(args.config) or Path("config.toml").is_file()
     s = status(config, endpoint="" if has_config else None)  # "": from the config's URL
     print(json.dumps(s) if args.json else status_text(s))
@@ -368,7 +371,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    config = load_config(args)
+    config = load_config(args, need_env=False)
     fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
     export(config, outcome=args.outcome, fmt=args.format, fields=fields,
            out=sys.stdout, path=args.output)

@@ -152,8 +152,11 @@ class Config:
     # -- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], **overrides: Any) -> Config:
-        """Read a TOML file; ``overrides`` (e.g. from CLI flags) win over the file."""
+    def load(cls, path: str | os.PathLike[str], *, need_env: bool = True, **overrides: Any) -> Config:
+        """Read a TOML file; ``overrides`` (e.g. from CLI flags) win over the file.
+
+        ``need_env=False`` is for reading state (``status``, ``export``, ``--dry-run``): a
+        ``${VAR}`` that is not set is no error then (the value is never sent anywhere)."""
         p = Path(path)
         try:
             with p.open("rb") as f:
@@ -164,11 +167,13 @@ class Config:
             raise ConfigError(f"cannot read config file: {e.__class__.__name__}", path=p) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"invalid TOML: {e}", path=p) from None
-        return cls.from_dict(doc, path=p, **overrides)
+        return cls.from_dict(doc, path=p, need_env=need_env, **overrides)
 
     @classmethod
-    def from_dict(cls, doc: Mapping[str, Any], *, path: Path | None = None, **overrides: Any) -> Config:
-        """Build from a parsed TOML document (sections and keys as in ``config.toml``)."""
+    def from_dict(cls, doc: Mapping[str, Any], *, path: Path | None = None, need_env: bool = True,
+                  **overrides: Any) -> Config:
+        """Build from a parsed TOML document (sections and keys as in ``config.toml``);
+        ``need_env`` as in :meth:`load`."""
         kwargs: dict[str, Any] = {}
         secrets: set[str] = set()
         base = path.parent if path else Path.cwd()
@@ -190,7 +195,7 @@ class Config:
                     known = ", ".join(k.split(".", 1)[1] for k in TOML_KEYS if k.startswith(section + "."))
                     raise ConfigError(f"unknown key; [{section}] takes {known}", key=dotted, path=path)
                 name = TOML_KEYS[dotted]
-                value = _expand(value, dotted, path, secrets)
+                value = _expand(value, dotted, path, secrets, need_env)
                 if name in ("ids", "state_dir", "ca_bundle") and isinstance(value, str) and value != "-":
                     value = str(base / value)
                 kwargs[name] = value
@@ -348,21 +353,28 @@ def _forms_of(secrets: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(forms, key=len, reverse=True))
 
 
-def _expand(value: Any, key: str, path: Path | None, secrets: set[str]) -> Any:
-    """Replace ``${VAR}`` in strings (recursively); remember the values as secrets."""
+UNSET_ENV = "unset-env-"  # what an unset ${VAR} reads as when the secrets are not needed
+
+
+def _expand(value: Any, key: str, path: Path | None, secrets: set[str], need_env: bool) -> Any:
+    """Replace ``${VAR}`` in strings (recursively); remember the values as secrets. An unset
+    variable is an error, unless ``need_env`` is false (reading state sends nothing): then it
+    reads as ``unset-env-VAR``."""
     if isinstance(value, str):
         def sub(m: re.Match[str]) -> str:
             var = m.group(1)
             if var not in os.environ:
+                if not need_env:
+                    return UNSET_ENV + var
                 raise ConfigError(f"environment variable ${{{var}}} is not set (export it first)",
                                   key=key, path=path)
             secrets.add(os.environ[var])
             return os.environ[var]
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _expand(v, f"{key}.{k}", path, secrets) for k, v in value.items()}
+        return {k: _expand(v, f"{key}.{k}", path, secrets, need_env) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand(v, key, path, secrets) for v in value]
+        return [_expand(v, key, path, secrets, need_env) for v in value]
     return value
 
 

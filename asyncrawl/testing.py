@@ -48,7 +48,7 @@ import orjson
 from aiohttp import web
 
 __all__ = ["Fault", "LogEntry", "MockAPI", "demo_faults", "flaky_faults", "main", "no_faults",
-           "payload_for", "read_log"]
+           "payload_for", "read_log", "requests_by_id"]
 
 KINDS = frozenset({"ok", "not_found", "bad_request", "gone", "flaky", "rate_limited", "slow",
                    "stall", "drop", "invalid_json", "error_in_body"})
@@ -193,6 +193,22 @@ def read_log(path: str | os.PathLike[str]) -> list[LogEntry]:
             except (orjson.JSONDecodeError, TypeError):
                 break
     return entries
+
+
+def requests_by_id(log: list[LogEntry]) -> dict[str, list[tuple[float, float | None, int | None]]]:
+    """Each ID's requests in arrival order as ``(start, end, status)`` (``end`` and ``status``
+    are None for a request the log has no answer to): to judge retry timing from the server."""
+    out: dict[str, list[tuple[float, float | None, int | None]]] = {}
+    open_: dict[str, list[int]] = {}
+    for e in log:
+        reqs = out.setdefault(e.id, [])
+        if e.event == "start":
+            open_.setdefault(e.id, []).append(len(reqs))
+            reqs.append((e.t, None, None))
+        elif open_.get(e.id):
+            i = open_[e.id].pop(0)
+            reqs[i] = (reqs[i][0], e.t, e.status)
+    return out
 
 
 @dataclass(slots=True)

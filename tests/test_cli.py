@@ -716,3 +716,37 @@ def test_run_applies_the_gc_policy_and_library_use_does_not(
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert "ok 2 young threshold 700" in r.stdout
+
+
+# -- reading state never needs the secrets ---------------------------------------------------
+
+
+def test_status_export_and_dry_run_work_without_the_api_key(tmp_path: Path, mock_process: Any) -> None:
+    assert "ASYNCRAWL_TEST_KEY" not in os.environ
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = [f"k{i:02d}" for i in range(30)]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ids), billing={"price_per_call": 0.01})
+    r = cli("run", "-c", str(cfg), "--no-progress", "--max-requests", "10", env=ENV)
+    assert r.returncode == 4, r.stderr
+    sent = len(read_log(mock.log_path))
+
+    # a fresh terminal: the key is not exported
+    r = cli("status", "-c", str(cfg), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] == 10
+    r = cli("status", "-c", str(cfg))
+    assert r.returncode == 0 and "10" in r.stdout, r.stderr
+    r = cli("export", "-c", str(cfg), "--format", "ids")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 10
+    r = cli("run", "-c", str(cfg), "--dry-run", "-H", "X-Other: ${ASYNCRAWL_TEST_OTHER}")
+    assert r.returncode == 0, r.stderr
+    assert "calls left: 20" in r.stdout
+    assert len(read_log(mock.log_path)) == sent  # reading sent nothing
+
+    # running still needs it, and says so before any request
+    r = cli("run", "-c", str(cfg), "--no-progress")
+    assert r.returncode == 2
+    assert "ASYNCRAWL_TEST_KEY" in r.stderr and "not set" in r.stderr
+    assert len(read_log(mock.log_path)) == sent

@@ -133,3 +133,81 @@ async def test_budget_never_overshoots_with_requests_in_flight() -> None:
     b.release(True)
     assert b.exhausted
     assert not await b.reserve()
+
+
+# -- issue 11: a healthy-but-flaky server is not a sick one --------------------------------------
+
+
+def test_rate_controller_ignores_a_background_of_single_item_429s() -> None:
+    """0.3 % of answers are 429 whatever the rate (per-item locks): no cut, no pause."""
+    c = RateController(max_rate=400, now=0.0)
+    t, n = 0.0, 0
+    limiting = []
+    while t < 60:
+        c.tick(t)
+        c.on_send(t)
+        n += 1
+        limited = n % 333 == 0
+        c.on_response(t + 0.005, t, limited, asked=limited)
+        if limited:
+            limiting.append(c.limiting(t + 0.005))
+        t += 1.0 / c.rate
+    assert len(limiting) > 50
+    assert not any(limiting)  # a lone Retry-After holds its own item, not the job
+    assert c.rate == 400 and c.cuts == 0
+
+
+def test_rate_controller_still_pauses_and_cuts_for_a_quota_overrun() -> None:
+    c = RateController(max_rate=200, now=0.0)
+    for i in range(200):  # one second at 200 req/s against a quota of 40: 160 are refused
+        c.on_send(i / 200)
+        limited = i % 5 != 0
+        c.on_response(i / 200 + 0.005, i / 200, limited, asked=limited)
+    assert c.limiting(1.0)  # every Retry-After holds the whole job
+    c.tick(1.5)
+    assert c.cuts >= 1 and c.rate < 60
+
+
+def test_breaker_judges_slow_failures_among_the_requests_sent_beside_them() -> None:
+    """The last answers of a job are the timeouts of requests sent 1.5 s earlier among
+    successes: in arrival order ten failures in a row, in send order a scatter."""
+    b = Breaker()
+    for i in range(300):  # 300 first tries sent over 1.5 s, every 20th stalls
+        if i % 20:
+            b.on_response(i * 0.005 + 0.01, f"ok{i}", failed=False, probe=False, sent_at=i * 0.005)
+    for i in range(0, 300, 20):  # the stalls time out 1.5 s after they were sent
+        b.on_response(i * 0.005 + 1.5, f"slow{i}", failed=True, probe=False, sent_at=i * 0.005)
+    assert not b.open and b.opened == 0
+
+
+def test_breaker_needs_a_longer_run_of_failures_on_a_flaky_server() -> None:
+    b = Breaker()
+    t = 0.0
+    for i in range(2000):  # a server that fails 17 % of first tries
+        b.on_response(t, f"w{i}", failed=i % 6 == 0, probe=False)
+        t += 0.0025
+    assert not b.open
+    for i in range(8):  # a cluster of eight bad IDs among two good: no outage at 17 %
+        b.on_response(t, f"bad{i}", failed=True, probe=False)
+        t += 0.0025
+    assert not b.open
+    for i in range(12):  # but an unbroken run that 17 % cannot explain is one
+        b.on_response(t, f"down{i}", failed=True, probe=False)
+        t += 0.0025
+    assert b.open
+
+
+async def test_an_open_breaker_stands_down_when_nothing_unsent_is_left() -> None:
+    from asyncrawl.governor import Governor
+
+    gov = Governor(rate=1000, burst=10, breaker=Breaker(probe_initial=60, probe_max=60))
+    assert gov.breaker is not None
+    for i in range(10):
+        gov.breaker.on_response(0.0, f"x{i}", failed=True, probe=False)
+    assert gov.breaker_open
+    gov.unsent = lambda: True  # fresh IDs wait: they are held (the first probe is 60 s away)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(gov.acquire(), 0.3)
+    gov.unsent = lambda: False  # only retries left: each goes by its own backoff
+    ticket = await asyncio.wait_for(gov.acquire(), 5)
+    assert not gov.breaker_open and not ticket.probe
