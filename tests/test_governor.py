@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asyncrawl.governor import Breaker, Budget, RateController
+from asyncrawl.governor import Breaker, Budget, Governor, RateController
 
 
 def simulate_quota(quota: int, rate: float, seconds: float, latency: float = 0.002,
@@ -198,12 +198,11 @@ def test_breaker_needs_a_longer_run_of_failures_on_a_flaky_server() -> None:
 
 
 async def test_an_open_breaker_stands_down_when_nothing_unsent_is_left() -> None:
-    from asyncrawl.governor import Governor
-
     gov = Governor(rate=1000, burst=10, breaker=Breaker(probe_initial=60, probe_max=60))
     assert gov.breaker is not None
+    now = asyncio.get_running_loop().time()
     for i in range(10):
-        gov.breaker.on_response(0.0, f"x{i}", failed=True, probe=False)
+        gov.breaker.on_response(now, f"x{i}", failed=True, probe=False)
     assert gov.breaker_open
     gov.unsent = lambda: True  # fresh IDs wait: they are held (the first probe is 60 s away)
     with pytest.raises(TimeoutError):
