@@ -404,7 +404,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             config = Config(url=api.item_url, ids=str(ids_file), state_dir=state,
                             headers={"X-Api-Key": api_key}, rate=args.rate,
                             burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,
-                            max_tries=4, backoff_base=0.2, backoff_max=2.0, cooldown=2.0,
+                            # the defaults a user gets, on a demo's clock: backoff 0.2 s .. 2 s
+                            # instead of 1 s .. 60 s, a 2 s cool-down instead of 60 s
+                            backoff_base=0.2, backoff_max=2.0, cooldown=2.0,
                             timeout=5.0, retry_after_max=2.0, progress_interval=2.0)
             total = prescan_file(str(ids_file))
             summary = await _run(config, ids_path=str(ids_file), total=total,
