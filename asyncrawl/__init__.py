@@ -22,7 +22,7 @@ from .errors import (
     LockedError,
     StorageError,
 )
-from .fetch import Outcome, Request, Response
+from .fetch import Outcome, Request, Response, new_session
 
 __all__ = [
     "AsyncrawlError",
@@ -41,4 +41,5 @@ __all__ = [
     "StorageError",
     "Summary",
     "__version__",
+    "new_session",
 ]

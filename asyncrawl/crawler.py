@@ -36,7 +36,16 @@ from . import __version__
 from .alerts import send_alerts
 from .config import Config
 from .errors import AsyncrawlError, StorageError
-from .fetch import Attempt, Classifier, Fetcher, Outcome, Request
+from .fetch import (
+    RESEND_WARNING,
+    Attempt,
+    Classifier,
+    Fetcher,
+    Outcome,
+    Request,
+    new_session,
+    resends_silently,
+)
 from .governor import Breaker, Budget, Governor
 from .journal import Journal, Record, Writer
 from .source import CHUNK_IDS, IdsFile, id_chunks, prescan_file
@@ -140,7 +149,10 @@ class Crawler:
 
     Args:
         config: the job's configuration.
-        session: an ``aiohttp.ClientSession`` to use; it is never closed by the crawler.
+        session: an ``aiohttp.ClientSession`` to use; it is never closed by the crawler. Build
+            it with :func:`asyncrawl.new_session` to keep the guarantee that every request
+            that leaves has its ``sent`` record (a plain session resends a dropped GET once,
+            silently: a warning says so).
         request_for: hook building the ``Request`` for an ID (default: the config's template).
         classify: hook overriding the outcome class of a response (return ``None`` to keep it).
         on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
@@ -164,6 +176,8 @@ class Crawler:
     ) -> None:
         self.config = config
         self._session = session
+        if session is not None and resends_silently(session):
+            log.warning("%s", RESEND_WARNING)
         self._own_session: aiohttp.ClientSession | None = None
         self._request_for = request_for
         self._classify = classify
@@ -213,9 +227,7 @@ class Crawler:
             self._session = self._own_session = None
 
     def _new_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=self.config.concurrency, ttl_dns_cache=300)
-        # No cookie jar: a cookie one origin sets must never travel to another.
-        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        return new_session(self.config)
 
     # -- control -------------------------------------------------------------------------------
 

@@ -368,6 +368,35 @@ _CONNECT_TIMEOUT: Any = getattr(aiohttp, "ConnectionTimeoutError", ())
 _READ_TIMEOUT: Any = getattr(aiohttp, "SocketTimeoutError", ())
 
 
+RESEND_WARNING = (
+    "the injected aiohttp session resends a GET/HEAD/PUT once, silently, when a connection drops "
+    "before the answer (aiohttp's retry of persistent connections): such a resend has no 'sent' "
+    "record of its own, may be billed twice and is missing from the in-doubt list. Build the "
+    "session with asyncrawl.new_session(config), or let the Crawler create its own")
+
+
+def new_session(config: Config) -> aiohttp.ClientSession:
+    """The session a ``Crawler`` creates for itself: at most ``concurrency`` connections, no
+    cookie jar (a cookie one origin sets must never travel to another), and no silent resend.
+
+    NOTE: aiohttp resends an idempotent request once when a connection drops before the answer
+    (RFC 9112 §9.3.1 allows it; ``ClientSession._retry_connection``, which aiohttp's own test
+    client switches off the same way). For a paid API that is a second call that nobody
+    recorded: every request that leaves asyncrawl has its durable ``sent`` record, and a drop
+    is a retryable failure decided by asyncrawl's own policy instead. Pass the result as
+    ``Crawler(config, session=...)`` to share one session and keep that guarantee."""
+    connector = aiohttp.TCPConnector(limit=config.concurrency, ttl_dns_cache=300)
+    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+    session._retry_connection = False
+    return session
+
+
+def resends_silently(session: aiohttp.ClientSession) -> bool:
+    """Whether ``session`` would resend a request once on a dropped connection (see
+    :func:`new_session`)."""
+    return bool(getattr(session, "_retry_connection", False))
+
+
 def client_timeout(config: Config) -> aiohttp.ClientTimeout:
     """``timeout`` bounds the whole attempt (connect, headers, body); ``connect_timeout``
     (default: 10 s, at most ``timeout``) the TCP/TLS connect; ``read_timeout`` how long the server

@@ -19,9 +19,10 @@ and ``GET /health``. Each item request passes these checks in order:
 4. the ID's :class:`Fault`. Per-ID attempt counters (``times``) count only requests that get
    this far. A 200 carrying :func:`payload_for` is billed and uses one unit of balance.
 
-NOTE: aiohttp's client silently resends an idempotent request (GET) once when the server drops
-the connection, so a ``drop`` fault with ``times=1`` is invisible to a GET client; use
-``times=2`` (or POST) to make the client see the disconnect. The log shows every attempt.
+NOTE: a plain aiohttp session silently resends an idempotent request (GET) once when the server
+drops the connection, so a ``drop`` fault with ``times=1`` is invisible to such a client (use
+``times=2``, or POST); asyncrawl's own session (``asyncrawl.new_session``) does not resend, and
+sees every drop. The log shows every attempt.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ _DEMO_MIX: tuple[tuple[int, Fault], ...] = (
     (25, Fault("flaky", times=2)),
     (30, Fault("flaky", times=1)),  # no per-ID 429s: real 429s come from a quota (``quota=``)
     (10, Fault("slow", delay=0.2)),
-    (10, Fault("drop", times=2)),  # aiohttp silently resends a GET once after a drop
+    (10, Fault("drop", times=2)),  # twice: a plain aiohttp session resends a GET once by itself
     (10, Fault("invalid_json", times=1)),
 )
 _DEMO_TABLE: tuple[Fault, ...] = tuple(f for n, f in _DEMO_MIX for _ in range(n))
@@ -155,7 +156,7 @@ _FLAKY_MIX: tuple[tuple[int, Fault], ...] = (
     (30, Fault("flaky", times=6, status=500)),  # outlasts max_tries = 5: succeeds in pass 2
     (10, Fault("gone", status=503)),  # always 503: confirmed unavailable after pass 2
     (20, Fault("stall", delay=3.0)),  # 3 s, then 504 (a client timeout cuts it sooner)
-    (10, Fault("drop", times=1)),  # invisible to a GET client: aiohttp resends it once
+    (10, Fault("drop", times=1)),  # a plain aiohttp session resends it once, silently
     (50, Fault("not_found")),
     (20, Fault("bad_request")),
     (3, Fault("rate_limited", times=1, retry_after=1.0)),

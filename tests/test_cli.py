@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncrawl.journal import Writer, load_state
-from asyncrawl.testing import LogEntry, demo_faults, payload_for, read_log
+from asyncrawl.journal import JOURNAL, Writer, load_state, scan
+from asyncrawl.testing import LogEntry, demo_faults, flaky_faults, payload_for, read_log
 
 from .conftest import KEY, cli, write_config, write_ids
 
@@ -231,9 +231,9 @@ def test_normal_run_export_formats_and_status(tmp_path: Path, mock_process: Any)
 
 
 def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
-              concurrency: int = 16) -> dict[str, Any]:
+              concurrency: int = 16, faults: str = "none") -> dict[str, Any]:
     """Start a run, SIGKILL it once ``threshold`` ok records are durable; report what was on disk."""
-    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.005")
+    mock = mock_process("--api-key", KEY, "--faults", faults, "--latency", "0.005")
     ids = [f"k{i:05d}" for i in range(n)]
     state = tmp_path / "state"
     idsf = write_ids(tmp_path / "ids.txt", ids)
@@ -750,3 +750,39 @@ def test_status_export_and_dry_run_work_without_the_api_key(tmp_path: Path, mock
     assert r.returncode == 2
     assert "ASYNCRAWL_TEST_KEY" in r.stderr and "not set" in r.stderr
     assert len(read_log(mock.log_path)) == sent
+
+
+# -- every request that leaves has its durable "sent" record ------------------------------------
+
+
+def sent_records(state: Path) -> collections.Counter[str]:
+    return collections.Counter(rec["id"] for _, rec in scan(state / JOURNAL) if rec["k"] == "sent")
+
+
+def test_the_server_sees_exactly_the_requests_recorded_sent_even_with_drops(
+        tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "flaky")
+    ids = [f"d{i:04d}" for i in range(1500)]
+    dropped = [i for i in ids if flaky_faults(i).kind == "drop"]
+    assert len(dropped) >= 5
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ids), request={"timeout": 1.0})
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    seen = starts(read_log(mock.log_path))
+    assert all(seen[i] == 2 for i in dropped)  # the drop, then asyncrawl's own retry
+    assert seen == sent_records(tmp_path / "state")  # per ID: no request nobody recorded
+    assert status_json(cfg)["requests_sent"] == sum(seen.values())
+
+
+def test_after_kill_9_every_request_the_server_saw_was_recorded_sent(
+        tmp_path: Path, mock_process: Any) -> None:
+    c = crash_run(tmp_path, mock_process, 400, faults="flaky")
+    seen = starts(c["log_at_kill"])
+    sent = sent_records(c["state"])
+    assert seen and all(sent[i] >= n for i, n in seen.items()), {
+        i: (n, sent[i]) for i, n in seen.items() if sent[i] < n}
+    # a durable "sent" whose bytes had not left yet at the kill: at most the requests in flight
+    assert sum(sent.values()) - sum(seen.values()) <= 16
+    in_doubt = {o["id"] for o in jsonl(export(c["cfg"], "--outcome", "in-doubt"))}
+    assert set(answers(c["log_at_kill"])) - c["durable"] <= in_doubt  # billed, not kept

@@ -245,3 +245,25 @@ async def test_id_queue_wakes_the_producer_at_half_not_at_every_get() -> None:
     await asyncio.gather(produce(), consume())
     assert got == [str(i) for i in range(1000)]  # FIFO, nothing lost or doubled
     assert waits <= (1000 - 64) // 32 + 1  # one wake-up per 32 IDs, not one per ID
+
+
+async def test_an_injected_session_that_resends_is_warned_about(
+        api: MockAPI, state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from asyncrawl import new_session
+    from asyncrawl.fetch import RESEND_WARNING
+
+    cfg = fast_config(api, state)
+    async with aiohttp.ClientSession() as plain:
+        with caplog.at_level("WARNING", logger="asyncrawl"):
+            Crawler(cfg, session=plain)
+        assert RESEND_WARNING in caplog.text
+    caplog.clear()
+    ours = new_session(cfg)
+    try:
+        with caplog.at_level("WARNING", logger="asyncrawl"):
+            async with Crawler(cfg, session=ours) as crawler:
+                summary = await crawler.run(["a", "b"])
+        assert summary.ok == 2 and RESEND_WARNING not in caplog.text
+        assert not ours.closed  # a session it did not create stays open
+    finally:
+        await ours.close()

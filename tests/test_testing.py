@@ -274,3 +274,20 @@ async def test_process_entry_point(
     assert [(e.event, e.id, e.status) for e in read_log(log)][:2] == [
         ("start", "a/b", None), ("end", "a/b", 200)]
     assert len(read_log(log)) == 4
+
+
+async def test_asyncrawl_session_sees_every_drop_and_never_resends() -> None:
+    from asyncrawl import Config, new_session
+    from asyncrawl.fetch import resends_silently
+
+    async with MockAPI(faults={"x": Fault("drop")}) as api:
+        session = new_session(Config(url=api.item_url))
+        try:
+            assert not resends_silently(session)
+            with pytest.raises(aiohttp.ServerDisconnectedError):
+                await fetch(session, api, "x")
+            assert api.starts() == ["x"]  # one request left, one arrived
+        finally:
+            await session.close()
+    async with aiohttp.ClientSession() as plain:
+        assert resends_silently(plain)
