@@ -69,6 +69,7 @@ class Config:
     secret_names: tuple[str, ...] = ()
     error_field: str | None = None
     success_values: tuple[Any, ...] = ()
+    response_format: str = "json"
     concurrency: int = 16
     rate: float = 10.0
     burst: int | None = None
@@ -77,6 +78,7 @@ class Config:
     breaker: bool = True
     breaker_probe_max: float = 10.0
     max_tries: int = 5
+    paid_retries: int = 1
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     jitter: str = "full"
@@ -265,6 +267,7 @@ TOML_KEYS: dict[str, str] = {
     "request.secret_names": "secret_names",
     "response.error_field": "error_field",
     "response.success_values": "success_values",
+    "response.format": "response_format",
     "limits.concurrency": "concurrency",
     "limits.rate": "rate",
     "limits.burst": "burst",
@@ -273,6 +276,7 @@ TOML_KEYS: dict[str, str] = {
     "limits.breaker": "breaker",
     "limits.breaker_probe_max": "breaker_probe_max",
     "retry.max_tries": "max_tries",
+    "retry.paid_retries": "paid_retries",
     "retry.backoff_base": "backoff_base",
     "retry.backoff_max": "backoff_max",
     "retry.jitter": "jitter",
@@ -422,7 +426,7 @@ def _validate(c: Config) -> None:
             if not _is_num(v):
                 raise bad(name, f"must be a number, got {type(v).__name__} {v!r}")
         elif name in ("concurrency", "burst", "max_tries", "max_body_bytes", "max_redirects",
-                      "max_requests"):
+                      "max_requests", "paid_retries"):
             if v is None and name == "max_requests":
                 continue
             if isinstance(v, float) and v.is_integer():
@@ -433,7 +437,8 @@ def _validate(c: Config) -> None:
         elif name in ("second_pass", "recheck_permanent", "verify_tls", "adaptive", "breaker"):
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
-        elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects"):
+        elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects",
+                      "response_format"):
             if not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
         elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field"):
@@ -455,7 +460,8 @@ def _validate(c: Config) -> None:
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
-    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects"):
+    for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects",
+                 "paid_retries"):
         if getattr(c, name) < 0:
             raise bad(name, f"must not be negative, got {getattr(c, name)!r}")
     for name in ("max_requests",):
@@ -471,6 +477,8 @@ def _validate(c: Config) -> None:
         _check_ca_bundle(c.ca_bundle)
     if c.max_spend is not None and not c.price_per_call:
         raise bad("max_spend", "needs [billing] price_per_call to be set")
+    if c.response_format not in ("json", "text", "bytes"):
+        raise bad("response_format", f"must be one of json, text, bytes; got {c.response_format!r}")
     if c.jitter not in ("full", "equal", "none"):
         raise bad("jitter", f"must be one of full, equal, none; got {c.jitter!r}")
     if c.follow_redirects not in ("none", "same-origin", "any"):

@@ -200,7 +200,8 @@ class Crawler:
         self.retries = self.requests = self.billable = 0
         self._outstanding = 0
         self._feeding = False
-        self._failed: dict[str, tuple[bool, int | None, str | None, int]] = {}
+        self._failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
+        self._unusable: dict[str, int] = {}  # pass 2's IDs that were already sold unusable answers
         self._workers: Worker | None = None
         self._governor: Governor | None = None
         self._journal: Journal | None = None
@@ -356,12 +357,15 @@ class Crawler:
     async def _second_pass_ids(self) -> AsyncIterator[list[str]]:
         failed, self._failed = self._failed, {}
         chunk: list[str] = []
-        for item, (permanent, status, error, tries) in failed.items():
-            if permanent and not self.config.recheck_permanent:
+        for item, (permanent, status, error, tries, unusable) in failed.items():
+            bought = unusable > self.config.paid_retries  # never buy an unusable answer again
+            if bought or (permanent and not self.config.recheck_permanent):
                 self._settle(Item(item, tries), "unavailable",
                              Attempt(Outcome.SKIP, status, error=error),
-                             permanent=True, count_pass=False)
+                             permanent=permanent, count_pass=False)
                 continue
+            if unusable:
+                self._unusable[item] = unusable
             chunk.append(item)
             if len(chunk) >= CHUNK_IDS:
                 yield chunk
@@ -423,7 +427,9 @@ class Crawler:
                     break
                 self._outstanding += 1
                 self._workers.unsent += 1  # type: ignore[union-attr]
-                await queue.put(Item(item))
+                unusable = self._unusable
+                await queue.put(Item(item, unusable=unusable.pop(item)) if item in unusable
+                                else Item(item))
             if halted.is_set():
                 break
         self._feeding = False
@@ -465,7 +471,8 @@ class Crawler:
                              body)
         self._writer.put(rec)
         if kind == "failed":
-            self._failed[item.id] = (permanent, attempt.status, attempt.error, item.tries)
+            self._failed[item.id] = (permanent, attempt.status, attempt.error, item.tries,
+                                     item.unusable)
         if count_pass:
             self._outstanding -= 1
             if self._outstanding == 0 and not self._feeding:

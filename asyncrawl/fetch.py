@@ -21,6 +21,7 @@ when ``follow_redirects = "any"`` it carries no secret header or value.
 
 from __future__ import annotations
 
+import base64
 import enum
 import logging
 import os
@@ -224,6 +225,7 @@ class Fetcher:
         self.timeout = client_timeout(config)
         # a 200 is OK when its body parses, unless a hook or the config may say otherwise
         self._plain_200 = (classify is None and not config.error_field
+                           and config.response_format == "json"
                            and status_class(200, config) is Outcome.OK)
         self._ssl = tls_context(config)
         if self._ssl is False:
@@ -318,13 +320,7 @@ class Fetcher:
         if body is None:
             return Attempt(Outcome.SKIP, status, error=f"body larger than {cfg.max_body_bytes} bytes",
                            billable=200 <= status < 300)
-        data: Any = None
-        body_ok = False
-        try:
-            data = orjson.loads(body)
-            body_ok = True
-        except orjson.JSONDecodeError:
-            pass
+        data, body_ok = _parse(body, cfg.response_format)
         outcome = status_class(status, cfg)
         effective = status
         if body_ok and cfg.error_field and outcome is Outcome.OK:
@@ -341,13 +337,37 @@ class Fetcher:
         billable = 200 <= status < 300
         if outcome is Outcome.OK:
             if not body_ok:
-                return Attempt(Outcome.RETRY, status, error="2xx body is not valid JSON",
+                return Attempt(Outcome.RETRY, status, error=_unparsable(status, body, cfg),
                                billable=billable)
-            return Attempt(Outcome.OK, status, data=data, billable=billable, body=body)
+            # the journal splices a JSON body in as received; text and bytes go in as strings
+            return Attempt(Outcome.OK, status, data=data, billable=billable,
+                           body=body if cfg.response_format == "json" else None)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"
         if not body_ok and 200 <= status < 300:
-            error = "2xx body is not valid JSON"
+            error = _unparsable(status, body, cfg)
         return Attempt(outcome, effective, error=error, retry_after=retry_after, billable=billable)
+
+
+def _parse(body: bytes, fmt: str) -> tuple[Any, bool]:
+    """The payload of a body in the configured ``[response] format``, and whether it parsed:
+    ``json`` (the parsed value), ``text`` (UTF-8 text) or ``bytes`` (base64, always parses)."""
+    if fmt == "json":
+        try:
+            return orjson.loads(body), True
+        except orjson.JSONDecodeError:
+            return None, False
+    if fmt == "text":
+        try:
+            return body.decode("utf-8"), True
+        except UnicodeDecodeError:
+            return None, False
+    return base64.b64encode(body).decode("ascii"), True
+
+
+def _unparsable(status: int, body: bytes, cfg: Config) -> str:
+    what = "valid JSON" if cfg.response_format == "json" else "UTF-8 text"
+    size = "empty" if not body else f"{len(body):,} bytes"
+    return f"2xx body is not {what}: HTTP {status}, {size} ([response] format = {cfg.response_format})"
 
 
 def _without_credentials(url: URL, cfg: Config) -> URL:

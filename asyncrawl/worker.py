@@ -33,6 +33,7 @@ class Item:
     id: str
     tries: int = 0
     paid: int = 0
+    unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
 
 
 class IdQueue(asyncio.Queue[Item]):
@@ -197,6 +198,10 @@ class Worker:
         queued = list(self.queue._queue)  # type: ignore[attr-defined]  # the pass is over
         return [*self.parking.items(), *queued, *self.held.values()]
 
+    def _bought_enough(self, item: Item) -> bool:
+        item.unusable += 1
+        return item.unusable > self.config.paid_retries
+
     def handle(self, item: Item, attempt: Attempt) -> None:
         outcome = attempt.outcome
         final = "unavailable" if self.pass_no > 1 else "failed"
@@ -206,6 +211,11 @@ class Worker:
             self.halt("fatal", attempt)
         elif outcome is Outcome.SKIP:
             self.settle(item, final, attempt, permanent=True)
+        elif attempt.billable and self._bought_enough(item):
+            # a paid answer that does not parse is bought again at most paid_retries times
+            self.settle(item, final, attempt._replace(error=f"{attempt.error}; bought "
+                        f"{item.unusable} times, not again ([retry] paid_retries)"),
+                        permanent=False)
         elif item.tries < self.config.max_tries:
             cfg = self.config
             self.retries += 1

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from asyncrawl import Config, Crawler, Outcome, Response, Result
 from asyncrawl.report import export
@@ -267,3 +269,82 @@ async def test_an_injected_session_that_resends_is_warned_about(
         assert not ours.closed  # a session it did not create stays open
     finally:
         await ours.close()
+
+
+# -- a paid answer is not bought again and again ------------------------------------------------
+
+
+async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_in_all(state: Path) -> None:
+    faults = {"junk": Fault("invalid_json", times=1000)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, max_tries=5)  # pass 2 on, with a fresh try budget
+        async with Crawler(cfg) as crawler:
+            summary = await crawler.run(["a", "junk"])
+        bought = [e.id for e in api.log if e.event == "end" and e.status == 200]
+    assert bought.count("junk") == 2  # was max_tries x 2 passes = 10 billable calls
+    assert summary.ok == 1 and summary.unavailable == 1
+    out = io.StringIO()
+    export(cfg, outcome="unavailable", out=out)
+    rec = json.loads(out.getvalue())
+    assert rec["id"] == "junk" and rec["status"] == 200
+    assert "not valid JSON" in rec["error"] and "paid_retries" in rec["error"]
+
+
+async def _formats_app() -> web.Application:
+    async def csv_(request: web.Request) -> web.Response:
+        return web.Response(text=f"id,n\n{request.match_info['id']},1\n", content_type="text/csv")
+
+    async def empty(request: web.Request) -> web.Response:
+        return web.Response(status=204)
+
+    async def binary(request: web.Request) -> web.Response:
+        return web.Response(body=b"\xff\x00\xfe", content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/csv/{id}", csv_)
+    app.router.add_get("/empty/{id}", empty)
+    app.router.add_get("/bin/{id}", binary)
+    return app
+
+
+@pytest.mark.parametrize(("path", "fmt", "want"), [
+    ("csv", "text", "id,n\nx,1\n"),
+    ("empty", "text", ""),
+    ("empty", "bytes", ""),
+    ("bin", "bytes", "/wD+"),  # base64 of ff 00 fe
+])
+async def test_response_formats_for_apis_that_do_not_answer_json(
+        state: Path, path: str, fmt: str, want: str) -> None:
+    server = TestServer(await _formats_app())
+    await server.start_server()
+    try:
+        cfg = Config(url=f"{server.make_url('/')}{path}/{{id}}", state_dir=str(state),
+                     response_format=fmt, cooldown=0.0, backoff_base=0.01)
+        results: list[Result] = []
+        async with Crawler(cfg, on_result=results.append) as crawler:
+            summary = await crawler.run(["x"])
+    finally:
+        await server.close()
+    assert summary.ok == 1 and [r.data for r in results] == [want]
+    out = io.StringIO()
+    export(cfg, outcome="ok", out=out)
+    assert json.loads(out.getvalue()) == {"id": "x", "data": want}
+
+
+async def test_json_format_records_an_empty_204_as_unusable_after_two_calls(state: Path) -> None:
+    server = TestServer(await _formats_app())
+    await server.start_server()
+    calls = 0
+    try:
+        cfg = Config(url=f"{server.make_url('/')}empty/{{id}}", state_dir=str(state),
+                     cooldown=0.0, backoff_base=0.01, second_pass=False)
+
+        def count(response: Response) -> None:
+            nonlocal calls
+            calls += 1
+
+        async with Crawler(cfg, classify=count) as crawler:
+            summary = await crawler.run(["x"])
+    finally:
+        await server.close()
+    assert calls == 2 and summary.failed == 1
