@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--insecure", action="store_true",
                      help="do not verify TLS certificates (a warning is printed on every run)")
     run.add_argument("--no-second-pass", action="store_true")
+    run.add_argument("--reuse-state", action="store_true",
+                     help="use a state directory made by a job with another URL, method or "
+                          "parameters: keep what it settled, fetch the rest from the new address")
     run.add_argument("--cooldown", type=float, metavar="S")
     run.add_argument("--max-requests", type=int, metavar="N", help="stop after N billable calls")
     run.add_argument("--dry-run", action="store_true",
@@ -154,6 +157,7 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "burst": args.burst, "max_tries": args.max_tries, "timeout": args.timeout,
         "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
         "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
+        "reuse_state": True if args.reuse_state else None,
         "_headers": headers, "_secrets": secrets,
     }
 

@@ -90,6 +90,7 @@ class Config:
     cooldown: float = 60.0
     recheck_permanent: bool = True
     state_dir: str = "state"
+    reuse_state: bool = False
     grace: float = 10.0
     progress_interval: float = 10.0
     on_halt: str | None = None
@@ -234,6 +235,13 @@ class Config:
         """Whether a header of this name carries a credential (auth-like, or in ``secret_names``)."""
         return bool(_SECRET_HEADER.search(name)) or name.lower() in _lower(self.secret_names)
 
+    def job_identity(self) -> dict[str, Any]:
+        """What the state directory remembers of the job it belongs to: the URL template,
+        method and query parameters, secrets redacted (never the headers: keys rotate)."""
+        return {"url": self.redact(self.url), "method": self.method,
+                "params": {k: "***" if self.is_secret_param(k) else self.redact(str(v))
+                           for k, v in sorted(self.params.items())}}
+
     def is_secret_param(self, name: str) -> bool:
         """Whether a query parameter of this name carries a credential."""
         return bool(_SECRET_PARAM.match(name)) or name.lower() in _lower(self.secret_names)
@@ -288,6 +296,7 @@ TOML_KEYS: dict[str, str] = {
     "passes.cooldown": "cooldown",
     "passes.recheck_permanent": "recheck_permanent",
     "state.dir": "state_dir",
+    "state.reuse": "reuse_state",
     "run.grace": "grace",
     "run.progress_interval": "progress_interval",
     "alerts.on_halt": "on_halt",
@@ -434,7 +443,8 @@ def _validate(c: Config) -> None:
                 v = int(v)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
-        elif name in ("second_pass", "recheck_permanent", "verify_tls", "adaptive", "breaker"):
+        elif name in ("second_pass", "recheck_permanent", "verify_tls", "adaptive", "breaker",
+                      "reuse_state"):
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
         elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects",

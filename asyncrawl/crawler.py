@@ -35,7 +35,7 @@ import orjson
 from . import __version__
 from .alerts import send_alerts
 from .config import Config
-from .errors import AsyncrawlError, StorageError
+from .errors import AsyncrawlError, JobMismatch, StorageError
 from .fetch import (
     RESEND_WARNING,
     Attempt,
@@ -273,6 +273,11 @@ class Crawler:
             total = await asyncio.to_thread(prescan_file, ids_path)
             self.total = total if self.total is None else self.total
         journal = await Journal.open(cfg.state_dir)
+        try:
+            _check_job(cfg, journal.state.job)
+        except BaseException:
+            await journal.close()
+            raise
         self._journal = journal
         session = self._session
         own = None
@@ -302,7 +307,8 @@ class Crawler:
         seen: set[str] = set()
         source = (IdsFile(ids_path).chunks() if ids_path else ids.chunks()
                   if isinstance(ids, IdsFile) else id_chunks(ids or ()))
-        writer.put(Record("run", extra={"version": __version__, "pid": os.getpid()}))
+        writer.put(Record("run", extra={"version": __version__, "pid": os.getpid(),
+                                        "job": cfg.job_identity()}))
         error: BaseException | None = None
         try:
             await self._pass(1, self._first_pass_ids(source, seen), fetcher, budget)
@@ -585,6 +591,21 @@ def write_live(state_dir: Path, p: Progress) -> None:
         os.replace(tmp, state_dir / LIVE)
     except OSError:
         pass  # a view only; the journal is what matters
+
+
+def _check_job(cfg: Config, job: dict[str, Any] | None) -> None:
+    """Refuse a state directory made by another job: its settled IDs would be skipped, and the
+    new job would fetch nothing and say it had finished."""
+    now = cfg.job_identity()
+    if job is None or job == now or cfg.reuse_state:
+        return
+    was = ", ".join(f"{k} {job.get(k)!r}" for k in ("method", "url", "params") if job.get(k) != now[k])
+    raise JobMismatch(
+        f"the state directory {cfg.state_dir} belongs to another job ({was}; this run has "
+        + ", ".join(f"{k} {now[k]!r}" for k in ("method", "url", "params") if job.get(k) != now[k])
+        + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
+        "address what the old job had not settled and keep what it had, pass --reuse-state "
+        "([state] reuse = true)")
 
 
 async def _finish(task: asyncio.Task[Any]) -> None:

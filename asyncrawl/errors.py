@@ -6,6 +6,7 @@
     ├── ConfigError        bad config file, key, value or flag       (CLI exit 2)
     ├── InputError         bad IDs file: unreadable, bad line        (CLI exit 2)
     ├── LockedError        another run holds the state directory     (CLI exit 2)
+    ├── JobMismatch        the state directory belongs to another job (CLI exit 2)
     └── StorageError       the journal cannot be written or read     (CLI exit 5)
         └── JournalCorrupt damage inside the journal (not a torn tail)
 
@@ -57,6 +58,12 @@ class InputError(AsyncrawlError):
 
 class LockedError(AsyncrawlError):
     """Another run holds the state directory."""
+
+    exit_code = 2
+
+
+class JobMismatch(AsyncrawlError):
+    """The state directory was made by a job with another URL template, method or parameters."""
 
     exit_code = 2
 

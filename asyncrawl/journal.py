@@ -201,6 +201,7 @@ class State:
     in_doubt: dict[str, bool] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)  # sent, no outcome yet, in the open run
     run_open: bool = False
+    job: dict[str, Any] | None = None  # what the job fetches (the latest run that said)
 
     def apply(self, rec: dict[str, Any]) -> None:
         kind = rec["k"]
@@ -217,6 +218,8 @@ class State:
         elif kind == "billed":
             self._bill(rec)
         elif kind == "run":
+            if "job" in rec:
+                self.job = rec["job"]
             self.close_run(crashed=True)
             self.runs += 1
             self.halt = None

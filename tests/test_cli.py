@@ -786,3 +786,34 @@ def test_after_kill_9_every_request_the_server_saw_was_recorded_sent(
     assert sum(sent.values()) - sum(seen.values()) <= 16
     in_doubt = {o["id"] for o in jsonl(export(c["cfg"], "--outcome", "in-doubt"))}
     assert set(answers(c["log_at_kill"])) - c["durable"] <= in_doubt  # billed, not kept
+
+
+# -- a state directory belongs to one job -------------------------------------------------------
+
+
+def test_a_state_directory_refuses_another_job_unless_told(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = [f"j{i:02d}" for i in range(20)]
+    state, idsf = tmp_path / "state", write_ids(tmp_path / "ids.txt", ids)
+    cfg = write_config(tmp_path / "a.toml", mock.item_url, state, idsf)
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    sent = len(read_log(mock.log_path))
+
+    other = write_config(tmp_path / "b.toml", mock.url + "/items/v2-{id}", state, idsf)
+    r = cli("run", "-c", str(other), "--no-progress", env=ENV)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "belongs to another job" in r.stderr and "--reuse-state" in r.stderr
+    assert "/items/{id}" in r.stderr and "/items/v2-{id}" in r.stderr
+    assert len(read_log(mock.log_path)) == sent  # nothing sent
+    params = write_config(tmp_path / "c.toml", mock.item_url, state, idsf,
+                          request__params={"lang": "de"})
+    assert cli("run", "-c", str(params), "--no-progress", env=ENV).returncode == 2
+
+    # the same job again is fine (nothing left to fetch), and so is a deliberate reuse
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    r = cli("run", "-c", str(other), "--no-progress", "--reuse-state", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert len(read_log(mock.log_path)) == sent  # the old job's results are kept, not refetched
+    # ... and from then on the state belongs to the new job
+    assert cli("run", "-c", str(other), "--no-progress", env=ENV).returncode == 0
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 2
