@@ -13,6 +13,7 @@ import functools
 import gc
 import json
 import logging
+import logging.handlers
 import os
 import re
 import signal
@@ -219,8 +220,9 @@ class _Console(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
-    handler: logging.Handler = (logging.FileHandler(log_file, encoding="utf-8") if log_file
-                                else _Console(sys.stderr))
+    # WatchedFileHandler reopens the file when logrotate moves it away
+    handler: logging.Handler = (logging.handlers.WatchedFileHandler(log_file, encoding="utf-8")
+                                if log_file else _Console(sys.stderr))
     handler.setFormatter(_JsonFormatter(config) if fmt == "json"
                          else logging.Formatter("asyncrawl: %(levelname)s: %(message)s"))
     handler.addFilter(_Redact(config))
@@ -265,13 +267,13 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
                       on_result=errors.result, classify=observe)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
     try:
         async with crawler:
             summary = await crawler.run(file_ids(ids_path))
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         for h in consoles:
             h.live = None
@@ -279,6 +281,11 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
             live.close()
         drain_errors()  # the last interval's errors, before the summary and the halt line
     return summary
+
+
+# SIGHUP: a closed terminal or SSH session stops the job like SIGTERM (summary, halt record,
+# exit 129), instead of killing it mid-write with nothing said.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _progress_fields(p: Progress) -> dict[str, Any]:

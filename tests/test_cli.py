@@ -817,3 +817,23 @@ def test_a_state_directory_refuses_another_job_unless_told(tmp_path: Path, mock_
     # ... and from then on the state belongs to the new job
     assert cli("run", "-c", str(other), "--no-progress", env=ENV).returncode == 0
     assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 2
+
+
+def test_log_file_survives_logrotate(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.2")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"r{i:03d}" for i in range(60)]),
+                       limits={"concurrency": 2, "rate": 100}, run={"progress_interval": 0.3})
+    logf, rotated = tmp_path / "run.log", tmp_path / "run.log.1"
+    proc = popen_cli(tmp_path, "rot", "run", "-c", str(cfg), "--log-file", str(logf))
+    try:
+        wait_until(lambda: logf.exists() and "[pass 1]" in logf.read_text(), proc)
+        logf.rename(rotated)  # what logrotate does (without copytruncate)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "[pass 1]" in rotated.read_text()
+    assert logf.exists(), "the log was not reopened after the rotation"
+    assert "[pass" in logf.read_text()  # progress after the move went to the new file

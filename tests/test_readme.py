@@ -336,7 +336,7 @@ def test_exit_code_table_matches_the_code() -> None:
                 retries=0, requests=0, billable=0, elapsed=0.0, state_dir="s")
     halts = {Summary(**base, halt=h).exit_code for h in (
         Halt("fatal", 402), Halt("budget"), Halt("storage"), Halt("signal", signal=2),
-        Halt("signal", signal=15), Halt("cancelled"))}
+        Halt("signal", signal=15), Halt("signal", signal=1), Halt("cancelled"))}
     finished = {Summary(**base, halt=None).exit_code, Summary(**{**base, "failed": 1}, halt=None).exit_code}
     assert errors | halts | finished | {1} == documented
 

@@ -33,7 +33,8 @@ from .test_cli import (
     wait_until,
 )
 
-SIGNALS = [pytest.param(signal.SIGINT, 130, id="SIGINT"), pytest.param(signal.SIGTERM, 143, id="SIGTERM")]
+SIGNALS = [pytest.param(signal.SIGINT, 130, id="SIGINT"), pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
+           pytest.param(signal.SIGHUP, 129, id="SIGHUP")]
 
 
 def signal_and_wait(proc: Any, *sigs: signal.Signals, between: float = 0.5,
