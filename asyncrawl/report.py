@@ -8,11 +8,12 @@ for failed/unavailable exports, which keep one small record per failed ID.
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -55,9 +56,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     minus the calls whose answer was lost in a crash (``in_doubt``: possibly billed).
     """
     d = Path(config.state_dir)
-    if not (d / JOURNAL).exists():
-        raise StorageError("no journal here yet (nothing has run with this state directory)",
-                           path=d)
+    _require_state(d)
     running = lock_holder(d)
     # one read of the journal: the state (as load_state replays it) and the calls sent
     st = State()
@@ -72,7 +71,9 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     billable = sum(st.billable_by_day.values())
     in_doubt = len(st.in_doubt) + (len(st.in_flight) if running is not None else 0)
     sent = sum(sent_by_day.values())
-    if endpoint == "":
+    if st.job is not None:  # what the state says it fetched, not what today's config says
+        endpoint = endpoint_of(st.job["url"])
+    elif endpoint == "":
         endpoint = config.redact(endpoint_of(config.url))
     price = config.price_per_call
     ledger = []
@@ -152,11 +153,19 @@ def status_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _require_state(d: Path) -> None:
+    """A state directory that does not exist, or where nothing has run, is a usage error (a
+    wrong ``--state``), not a storage failure."""
+    if not (d / JOURNAL).exists():
+        what = "does not exist" if not d.exists() else "holds no asyncrawl state"
+        raise ConfigError(f"{d} {what}: nothing has run with this state directory (check "
+                          "--state, or [state] dir in the config)")
+
+
 def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
     """The records to export, from one read of the journal."""
     path = state_dir / JOURNAL
-    if not path.exists():
-        raise StorageError("no journal here yet", path=state_dir)
+    _require_state(state_dir)
     if outcome == "in-doubt":
         st = load_state(state_dir, running=lock_holder(state_dir) is not None)
         for item, twice in st.in_doubt.items():
@@ -214,10 +223,46 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
     return n
 
 
+_MISSING = object()
+LOOKAHEAD = 1000  # records a --fields name is looked for in before it is called unknown
+
+
+def _get(row: dict[str, Any], name: str) -> Any:
+    """A CSV column's value: a top-level field, or a dotted path into the payload
+    (``title``, ``author.name``, ``data.author.name``); ``_MISSING`` when there is none."""
+    if name in row:
+        return row[name]
+    parts = name.split(".")
+    if parts[0] == "data" and len(parts) > 1:
+        parts = parts[1:]
+    value: Any = row
+    for part in parts:
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _check_fields(records: Iterator[dict[str, Any]], fields: list[str],
+                  row_of: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """``records`` again, once every field was found in one of the first ``LOOKAHEAD`` rows:
+    a misspelt column is an error, not an empty column."""
+    head = list(itertools.islice(records, LOOKAHEAD))
+    rows = [row_of(r) for r in head]
+    for name in fields:
+        if rows and all(_get(row, name) is _MISSING for row in rows):
+            raise ConfigError(f"--fields: {name!r} is in none of the first {len(rows):,} records "
+                              f"(they have: {', '.join(rows[0])}; use a dotted path such as "
+                              "author.name for a nested field)")
+    return itertools.chain(head, records)
+
+
 def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
            fields: list[str] | None, out: TextIO) -> int:
     n = 0
     writer = None
+    if fmt == "csv" and fields:
+        records = _check_fields(records, fields, lambda rec: _row(rec, outcome))
     for rec in records:
         n += 1
         if fmt == "ids":
@@ -231,23 +276,28 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
                 obj = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
             out.write(orjson.dumps(obj).decode() + "\n")
         else:
-            if outcome == "in-doubt":
-                row = rec
-            elif outcome == "ok":
-                data = rec.get("data")
-                row = {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
-            else:
-                row = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
+            row = _row(rec, outcome)
             if writer is None:
                 cols = fields or list(row)
                 writer = csv.writer(out)
                 writer.writerow(cols)
-            writer.writerow([_cell(row.get(c)) for c in cols])
+            writer.writerow([_cell(_get(row, c)) for c in cols])
     return n
 
 
+def _row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
+    """One exported record as CSV sees it: ``id`` and the payload's top-level fields (ok), or
+    ``id``, ``status``, ``error``."""
+    if outcome == "in-doubt":
+        return rec
+    if outcome == "ok":
+        data = rec.get("data")
+        return {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
+    return {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
+
+
 def _cell(v: Any) -> str:
-    if v is None:
+    if v is None or v is _MISSING:
         return ""
     if isinstance(v, dict | list):
         return orjson.dumps(v).decode()

@@ -837,3 +837,39 @@ def test_log_file_survives_logrotate(tmp_path: Path, mock_process: Any) -> None:
     assert "[pass 1]" in rotated.read_text()
     assert logf.exists(), "the log was not reopened after the rotation"
     assert "[pass" in logf.read_text()  # progress after the move went to the new file
+
+
+def test_status_of_a_missing_state_is_a_usage_error_and_the_ledger_names_the_job(
+        tmp_path: Path, mock_process: Any) -> None:
+    for cmd in ("status", "export"):
+        r = cli(cmd, "--state", str(tmp_path / "nonexistent"), cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert "does not exist" in r.stderr and "--state" in r.stderr
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state,
+                       write_ids(tmp_path / "ids.txt", ["l1", "l2"]))
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    # a config for another API in the working directory (the demo run from the repo root)
+    other = write_config(tmp_path / "other.toml", "https://api.example.com/v1/notes/{id}", state,
+                         tmp_path / "ids.txt")
+    host = mock.url.removeprefix("http://")
+    for args in (["-c", str(other)], ["--state", str(state)]):
+        s = json.loads(cli("status", *args, "--json", cwd=tmp_path).stdout)
+        assert [row["endpoint"] for row in s["ledger"]] == [f"{host}/items/{{id}}"]
+
+
+def test_csv_fields_take_dotted_paths_and_an_unknown_field_is_an_error(
+        tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--payload-bytes", "4")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ["f1", "f2"]))
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv", "--fields",
+                                              "id,data.title,value"))))
+    assert rows[0] == ["id", "data.title", "value"]
+    assert sorted(rows[1:]) == sorted([i, payload_for(i)["title"], str(payload_for(i)["value"])]
+                                      for i in ("f1", "f2"))
+    r = cli("export", "-c", str(cfg), "--format", "csv", "--fields", "id,data.url", env=ENV)
+    assert r.returncode == 2 and "'data.url'" in r.stderr and "title" in r.stderr, r.stderr
+    assert r.stdout == ""
