@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import UNSET_ENV, Config
+from .config import TOML_KEYS, UNSET_ENV, Config, flag_for
 from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
 from .fetch import Response
@@ -71,25 +71,35 @@ def build_parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--ids", metavar="PATH|-", help="IDs file, one per line; - for stdin")
     run.add_argument("--url", metavar="TEMPLATE", help="URL template with {id}")
-    run.add_argument("--concurrency", type=int, metavar="N")
+    run.add_argument("--concurrency", type=int, metavar="N",
+                     help="workers = most requests in flight ([limits] concurrency)")
     run.add_argument("--rate", type=float, metavar="R", help="requests per second")
-    run.add_argument("--burst", type=int, metavar="B")
-    run.add_argument("--max-tries", type=int, metavar="N")
-    run.add_argument("--timeout", type=float, metavar="S")
-    run.add_argument("-H", "--header", action="append", default=[], metavar="'Name: value'")
+    run.add_argument("--burst", type=int, metavar="B", help="token bucket size ([limits] burst)")
+    run.add_argument("--max-tries", type=int, metavar="N",
+                     help="tries per ID per pass for retryable errors ([retry] max_tries)")
+    run.add_argument("--timeout", type=float, metavar="S",
+                     help="seconds per attempt ([request] timeout)")
+    run.add_argument("-H", "--header", action="append", default=[], metavar="'Name: value'",
+                     help="a request header (repeatable); the value may use ${ENV_VAR}")
     run.add_argument("--insecure", action="store_true",
                      help="do not verify TLS certificates (a warning is printed on every run)")
-    run.add_argument("--no-second-pass", action="store_true")
+    run.add_argument("--no-second-pass", action="store_true",
+                     help="do not retry failed IDs after the cool-down (exit 6 if any are left)")
     run.add_argument("--reuse-state", action="store_true",
                      help="use a state directory made by a job with another URL, method or "
                           "parameters: keep what it settled, fetch the rest from the new address")
-    run.add_argument("--cooldown", type=float, metavar="S")
+    run.add_argument("--cooldown", type=float, metavar="S",
+                     help="seconds between pass 1 and pass 2 ([passes] cooldown)")
     run.add_argument("--max-requests", type=int, metavar="N", help="stop after N billable calls")
     run.add_argument("--dry-run", action="store_true",
                      help="count the calls left and their cost; send nothing")
-    run.add_argument("--no-progress", action="store_true")
-    run.add_argument("--log-format", choices=("text", "json"), default="text")
-    run.add_argument("--log-file", metavar="FILE")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no live view on a terminal, and no periodic progress lines elsewhere "
+                          "(errors, the halt reason and the summary are still written)")
+    run.add_argument("--log-format", choices=("text", "json"), default="text",
+                     help="text (default) or one JSON object per line")
+    run.add_argument("--log-file", metavar="FILE",
+                     help="log here instead of stderr (reopened when logrotate moves it)")
 
     st = sub.add_parser("status", help="what the state directory holds")
     common(st)
@@ -97,17 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write results (streams; constant memory)")
     common(ex)
-    ex.add_argument("--outcome", choices=EXPORT_OUTCOMES, default="ok")
-    ex.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
-    ex.add_argument("--fields", metavar="a,b,...", help="CSV columns")
+    ex.add_argument("--outcome", choices=EXPORT_OUTCOMES, default="ok",
+                    help="which IDs (default: ok)")
+    ex.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl",
+                    help="jsonl (default), csv, or ids (one bare ID a line)")
+    ex.add_argument("--fields", metavar="a,b,...",
+                    help="CSV columns: top-level fields or dotted paths into the payload "
+                         "(author.name); an unknown one is an error")
     ex.add_argument("-o", "--output", metavar="FILE", help="write atomically to FILE")
 
     demo = sub.add_parser("demo", help="a complete crawl against a local fault-injecting mock API")
     demo.add_argument("--ids", type=int, default=5000, metavar="N", help="how many IDs (5000)")
-    demo.add_argument("--rate", type=float, default=2500.0)
-    demo.add_argument("--concurrency", type=int, default=32)
+    demo.add_argument("--rate", type=float, default=2500.0, help="requests per second (2500)")
+    demo.add_argument("--concurrency", type=int, default=32, help="workers (32)")
     demo.add_argument("--state", metavar="DIR", help="state directory (default: a new temp dir)")
-    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--no-progress", action="store_true", help="no progress view or lines")
     return p
 
 
@@ -146,7 +160,13 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides:
                 # status/export need only the state directory
                 return Config(url="http://unused/{id}", state_dir=overrides.get("state_dir", "state"))
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
-        return Config(**overrides)
+        try:
+            return Config(**overrides)
+        except ConfigError as e:  # every value came from a flag: name the flag
+            name = TOML_KEYS.get(e.key or "")
+            if name in overrides:
+                raise ConfigError(str(e).split(": ", 1)[-1], key=flag_for(name)) from None
+            raise
     return Config.load(path, need_env=need_env, **overrides)
 
 

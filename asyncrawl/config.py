@@ -209,6 +209,10 @@ class Config:
         try:
             return cls(**kwargs)
         except ConfigError as e:
+            name = TOML_KEYS.get(e.key or "")
+            given = {k for k, v in overrides.items() if v is not None}
+            if name in given:  # the value came from the command line, not from the file
+                raise ConfigError(str(e).split(": ", 1)[-1], key=flag_for(name)) from None
             if path is not None and e.path is None:
                 raise ConfigError(str(e).split(": ", 1)[-1], key=e.key, path=path) from None
             raise
@@ -313,6 +317,15 @@ REMOVED_KEYS: dict[str, str] = {
     "limits.retry_budget_floor": "retries now share the job's rate limit like first tries",
 }
 FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
+
+
+_FLAGS = {"state_dir": "--state", "verify_tls": "--insecure", "second_pass": "--no-second-pass",
+          "headers": "-H"}
+
+
+def flag_for(name: str) -> str:
+    """The command-line flag that sets the Config field ``name``."""
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
 
 
 def _lower(names: tuple[str, ...]) -> frozenset[str]:

@@ -83,7 +83,8 @@ class Result:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """A snapshot for progress displays (``on_progress``)."""
+    """A snapshot for progress displays (``on_progress``). ``total`` and ``done`` count the
+    IDs of the current pass: in pass 2, the IDs that pass 1 left failed."""
 
     pass_no: int
     total: int | None
@@ -202,6 +203,7 @@ class Crawler:
         self._feeding = False
         self._failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
         self._unusable: dict[str, int] = {}  # pass 2's IDs that were already sold unusable answers
+        self._pass2 = (0, 0)  # (IDs done when pass 2 began, IDs in pass 2)
         self._workers: Worker | None = None
         self._governor: Governor | None = None
         self._journal: Journal | None = None
@@ -317,6 +319,9 @@ class Crawler:
                 await self._wait_first(self.halted, timeout=cfg.cooldown)
                 self._cooling = False
                 if not self.halted.is_set():
+                    # pass 2's progress counts its own IDs: "[pass 2] 12/90", not 5,254/5,100
+                    self._pass2 = (self.ok + self.failed + self.unavailable + self.skipped,
+                                   len(self._failed))
                     await self._pass(2, self._second_pass_ids(), fetcher, budget)
         except asyncio.CancelledError:
             self._cancelled()
@@ -533,8 +538,11 @@ class Crawler:
             if settled_here and elapsed > 1:
                 eta = left / (settled_here / elapsed)
         g = self._governor
+        total = self.total
+        if self.pass_no == 2:
+            done, total = done - self._pass2[0], self._pass2[1]
         return Progress(
-            pass_no=self.pass_no, total=self.total, done=done, ok=self.ok, failed=self.failed,
+            pass_no=self.pass_no, total=total, done=done, ok=self.ok, failed=self.failed,
             unavailable=self.unavailable, skipped=self.skipped,
             retries=self.retries + (w.retries if w else 0), requests=requests,
             in_flight=w.in_flight if w else 0, parked=len(w.parking) if w else 0, rate=rate,

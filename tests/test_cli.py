@@ -873,3 +873,15 @@ def test_csv_fields_take_dotted_paths_and_an_unknown_field_is_an_error(
     r = cli("export", "-c", str(cfg), "--format", "csv", "--fields", "id,data.url", env=ENV)
     assert r.returncode == 2 and "'data.url'" in r.stderr and "title" in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -> None:
+    idsf = write_ids(tmp_path / "ids.txt", ["a"])
+    cfg = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/{id}", tmp_path / "s", idsf)
+    for args in (["-c", str(cfg)], ["--url", "http://127.0.0.1:9/{id}", "--ids", str(idsf)]):
+        r = cli("run", *args, "--rate", "0", "--dry-run", env=ENV)
+        assert r.returncode == 2
+        assert "--rate: must be greater than 0" in r.stderr and "c.toml" not in r.stderr, r.stderr
+    write_config(cfg, "http://127.0.0.1:9/{id}", tmp_path / "s", idsf, limits={"rate": 0})
+    r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
+    assert r.returncode == 2 and "c.toml" in r.stderr and "limits.rate" in r.stderr, r.stderr

@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from asyncrawl import Config, Crawler, Outcome, Response, Result
+from asyncrawl import Config, Crawler, Outcome, Progress, Response, Result
 from asyncrawl.report import export
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
@@ -348,3 +348,17 @@ async def test_json_format_records_an_empty_204_as_unusable_after_two_calls(stat
     finally:
         await server.close()
     assert calls == 2 and summary.failed == 1
+
+
+async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
+    faults = {f"bad{i}": Fault("not_found") for i in range(5)}
+    seen: list[Progress] = []
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, cooldown=0.2)
+        async with Crawler(cfg, on_progress=seen.append, progress_every=0.02, total=25) as crawler:
+            await crawler.run([f"ok{i}" for i in range(20)] + list(faults))
+        final = crawler.progress()
+    second = [p for p in seen if p.pass_no == 2] + [final]
+    assert second and all(p.total == 5 and 0 <= p.done <= 5 for p in second)
+    assert final.done == 5
+    assert all(p.done <= (p.total or 0) for p in seen)
