@@ -28,7 +28,6 @@ from . import __version__
 from .config import TOML_KEYS, UNSET_ENV, Config, flag_for
 from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
-from .fetch import Response
 from .journal import load_state
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
@@ -255,10 +254,11 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
 # -- commands ----------------------------------------------------------------------------------
 
 
-async def _run(config: Config, *, ids_path: str, progress: bool, total: int | None) -> Summary:
+async def _run(config: Config, *, ids_path: str, progress: bool,
+               total: int | None) -> tuple[Summary, list[tuple[str, int]]]:
     """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
     line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
-    errors = ErrorTally()
+    errors = ErrorTally(attempts=True)
     live = LiveView(sys.stderr, errors) if progress and sys.stderr.isatty() else None
     every = 0.25 if live is not None else config.progress_interval
     consoles = [h for h in log.handlers if isinstance(h, _Console)]
@@ -276,16 +276,17 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
         if live is not None:
             live(p)
         elif progress:
-            log.info("%s", line(p), extra={"event": "progress",
-                                           "fields": {"progress": _progress_fields(p)}})
+            text = line(p)
+            top = errors.top(2)
+            if top:  # why it is slow or stuck, counted by attempt, on the line itself
+                text += " | errors " + " · ".join(f"{k} × {n:,}" for k, n in top)
+            log.info("%s", text, extra={"event": "progress",
+                                        "fields": {"progress": _progress_fields(p)}})
         if time.monotonic() - last_drain >= config.progress_interval * 0.99:
             drain_errors()
 
-    def observe(response: Response) -> None:
-        errors.answer(response.status, response.body_ok)  # counts only; the verdict stays
-
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
-                      on_result=errors.result, classify=observe)
+                      on_result=errors.result, on_attempt=errors.attempt)
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
@@ -300,7 +301,7 @@ async def _run(config: Config, *, ids_path: str, progress: bool, total: int | No
         if live is not None:
             live.close()
         drain_errors()  # the last interval's errors, before the summary and the halt line
-    return summary
+    return summary, errors.top(3)
 
 
 # SIGHUP: a closed terminal or SSH session stops the job like SIGTERM (summary, halt record,
@@ -315,11 +316,12 @@ def _progress_fields(p: Progress) -> dict[str, Any]:
             "breaker_open": p.breaker_open, "eta_s": None if p.eta is None else round(p.eta)}
 
 
-def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: bool) -> None:
+def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: bool,
+                errors: list[tuple[str, int]]) -> None:
     """The final summary on stdout; in the log (``to_log``: a file or JSON) a ``summary`` event;
     and the halt reason as the log's last line, after every aggregated error line."""
     print(summary_text(summary, total=total, price=config.price_per_call,
-                       currency=config.currency), flush=True)
+                       currency=config.currency, errors=errors), flush=True)
     if to_log:
         log.info("finished: exit %s", summary.exit_code,
                  extra={"event": "summary", "fields": summary_fields(summary, total=total)})
@@ -353,12 +355,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.dry_run:
                 return _dry_run(config, ids_path)
             tune_gc()
-            summary = asyncio.run(_run(config, ids_path=ids_path, total=total,
-                                       progress=not args.no_progress))
+            summary, errors = asyncio.run(_run(config, ids_path=ids_path, total=total,
+                                               progress=not args.no_progress))
         finally:
             if spooled:
                 os.unlink(spooled)
-        _report_end(summary, config, total=total,
+        _report_end(summary, config, total=total, errors=errors,
                     to_log=args.log_format == "json" or args.log_file is not None)
         return summary.exit_code
     finally:
@@ -440,10 +442,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                             backoff_base=0.2, backoff_max=2.0, cooldown=2.0,
                             timeout=5.0, retry_after_max=2.0, progress_interval=2.0)
             total = prescan_file(str(ids_file))
-            summary = await _run(config, ids_path=str(ids_file), total=total,
-                                 progress=not args.no_progress)
+            summary, errors = await _run(config, ids_path=str(ids_file), total=total,
+                                         progress=not args.no_progress)
             paid = len(api.paid())
-        print(summary_text(summary, total=total))
+        print(summary_text(summary, total=total, errors=errors))
         print(f"  mock API   {len(api.log) // 2:,} requests seen, {paid:,} paid answers "
               f"(= ok fetched: {'yes' if paid == summary.fetched else 'NO'})")
         print(f"\ntry: asyncrawl status --state {state}\n     "

@@ -19,6 +19,7 @@ change when the writer reports a record durable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -37,12 +38,14 @@ from .alerts import send_alerts
 from .config import Config
 from .errors import AsyncrawlError, JobMismatch, StorageError
 from .fetch import (
+    INCURABLE,
     RESEND_WARNING,
     Attempt,
     Classifier,
     Fetcher,
     Outcome,
     Request,
+    incurable,
     new_session,
     resends_silently,
 )
@@ -56,7 +59,8 @@ log = logging.getLogger("asyncrawl")
 
 @dataclass(frozen=True, slots=True)
 class Halt:
-    """Why a run stopped before finishing. ``reason``: fatal, budget, storage, signal, cancelled."""
+    """Why a run stopped before finishing. ``reason``: fatal, budget, storage, unreachable (an
+    error that waiting cannot cure, from the first requests on), signal, cancelled."""
 
     reason: str
     status: int | None = None
@@ -137,6 +141,8 @@ class Summary:
                 return 4
             if h.reason == "storage":
                 return 5
+            if h.reason == "unreachable":
+                return 2
             if h.reason == "signal":
                 return 128 + (h.signal or signal_mod.SIGINT)
             return 130
@@ -159,6 +165,8 @@ class Crawler:
         on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
         on_progress: called with a ``Progress`` snapshot every ``progress_every`` seconds.
         on_halt: called with the ``Halt`` and ``Summary`` when a run halts early.
+        on_attempt: called with ``(id, status, error)`` for every attempt as it comes back
+            (``error`` is None for a good one): every try counts, not only recorded IDs.
         total: the number of IDs, if known (for the ETA).
     """
 
@@ -172,6 +180,7 @@ class Crawler:
         on_result: Callable[[Result], None] | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_halt: Callable[[Halt, Summary], None] | None = None,
+        on_attempt: Callable[[str, int | None, str | None], None] | None = None,
         progress_every: float = 1.0,
         total: int | None = None,
     ) -> None:
@@ -183,6 +192,7 @@ class Crawler:
         self._request_for = request_for
         self._classify = classify
         self.on_result = on_result
+        self.on_attempt = on_attempt
         self.on_progress = on_progress
         self.on_halt = on_halt
         self.progress_every = progress_every
@@ -305,7 +315,9 @@ class Crawler:
             breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None)
         self._budget_limit = cfg.request_budget
         budget = Budget(self._budget_limit)
-        fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify)
+        self._answered, self._incurable = False, collections.Counter[str]()
+        fetcher = Fetcher(session, cfg, request_for=self._request_for, classify=self._classify,
+                          observe=self._observe)
         seen: set[str] = set()
         source = (IdsFile(ids_path).chunks() if ids_path else ids.chunks()
                   if isinstance(ids, IdsFile) else id_chunks(ids or ()))
@@ -421,6 +433,29 @@ class Crawler:
         for t in (producer, feeder, *tasks):
             if not t.cancelled() and t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
+
+    INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
+
+    def _observe(self, item: str, attempt: Attempt) -> None:
+        """Every attempt: the hook, and an early stop when the job cannot work at all (a
+        refused connection, a name that does not resolve, a certificate that does not verify,
+        from the very first requests on). Once anything answered, the same errors are an
+        outage, for the breaker."""
+        if self.on_attempt is not None:
+            self.on_attempt(item, attempt.status, attempt.error)
+        if self._answered:
+            return
+        if attempt.status is not None:
+            self._answered = True
+            return
+        key = incurable(attempt.error)
+        if key is None:
+            return
+        self._incurable[key] += 1
+        if self._incurable[key] >= self.INCURABLE_AFTER and not self.halted.is_set():
+            self._set_halt(Halt("unreachable", None, self.config.redact(
+                f"{attempt.error} on each of the first {self._incurable[key]} requests, and no "
+                f"answer yet: {INCURABLE[key]}")))
 
     def _intent(self, item: str) -> Awaitable[bool]:
         assert self._writer is not None

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import base64
 import enum
+import errno
 import logging
 import os
 import re
+import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -216,8 +218,10 @@ class Fetcher:
         *,
         request_for: Callable[[str], Request] | None = None,
         classify: Classifier | None = None,
+        observe: Callable[[str, Attempt], None] | None = None,
     ) -> None:
         self.session = session
+        self.observe = observe
         self.config = config
         self.request_for = request_for  # a hook; None: the config's template (no Request made)
         self._build = RequestBuilder(config)
@@ -232,7 +236,14 @@ class Fetcher:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
     async def attempt(self, item_id: str) -> Attempt:
-        """One try for ``item_id``. Never raises for network or HTTP problems."""
+        """One try for ``item_id``. Never raises for network or HTTP problems. Every attempt,
+        whatever it led to, is shown to ``observe`` (the operator's error counts)."""
+        result = await self._attempt(item_id)
+        if self.observe is not None:
+            self.observe(item_id, result)
+        return result
+
+    async def _attempt(self, item_id: str) -> Attempt:
         cfg = self.config
         try:
             if self.request_for is None:
@@ -278,6 +289,8 @@ class Fetcher:
                 "server uses a private CA, add it with [request] ca_bundle")[:500])
         except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
             return Attempt(Outcome.RETRY, None, error=self._timeout_error(e))
+        except aiohttp.ClientConnectorError as e:
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe_connect(e)))
         except aiohttp.ClientError as e:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)))
         except OSError as e:  # e.g. a socket error aiohttp did not wrap
@@ -446,6 +459,39 @@ def tls_context(config: Config) -> ssl.SSLContext | bool:
         raise ConfigError(f"cannot load CA bundle {config.ca_bundle} ({e.__class__.__name__})",
                           key="request.ca_bundle") from None
     return ctx
+
+
+# Errors that waiting cannot cure when they come before any answer: the fix for each.
+REFUSED = "connection refused"
+UNRESOLVED = "does not resolve"
+CERTIFICATE = "TLS certificate verification failed"
+INCURABLE = {
+    REFUSED: "nothing listens at that address: check the host and port of [request] url "
+             "(or --url), and that the server is up",
+    UNRESOLVED: "check the host name of [request] url (or --url), and the machine's DNS",
+    CERTIFICATE: "if the server uses a private CA, add it with [request] ca_bundle; check the "
+                 "host name of [request] url",
+}
+
+
+def incurable(error: str | None) -> str | None:
+    """The key of ``INCURABLE`` that an attempt's error is, if any."""
+    if error:
+        for key in INCURABLE:
+            if key in error:
+                return key
+    return None
+
+
+def _describe_connect(e: aiohttp.ClientConnectorError) -> str:
+    """A connect failure in words an operator acts on: ``connection refused to host:port``,
+    ``name host does not resolve``; else the exception as usual."""
+    err = e.os_error
+    if isinstance(err, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
+        return f"name {e.host} {UNRESOLVED}"
+    if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:
+        return f"{REFUSED} to {e.host}:{e.port}"
+    return _describe(e)
 
 
 def _describe(e: BaseException) -> str:

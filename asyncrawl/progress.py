@@ -125,17 +125,18 @@ class ErrorTally:
     ``drain`` (the log: one line per kind per interval, however many errors — a storm of 503s
     is one line, and never buries the line saying why the job stopped).
 
-    ``answer`` counts each error answer as it arrives (fed by an observing classifier);
-    ``result`` counts each recorded failure. A failure whose kind was already counted as an
-    answer (a 404, a 503 given up on) is not counted twice; kinds no classifier sees (timeouts,
-    dropped connections, unfollowed redirects) are counted once recorded. With
-    ``answers=False`` (no observing classifier) every recorded failure counts.
+    ``attempt`` counts every failed attempt as it comes back (``Crawler(on_attempt=...)``):
+    "connection refused to 127.0.0.1:9 × 300" means 300 tries, not 300 IDs. ``result`` then
+    only notes which outcome IDs were recorded with. (Without attempts: ``answer`` counts each
+    error answer seen by an observing classifier and ``result`` counts the kinds no classifier
+    sees, such as timeouts, once recorded; with ``answers=False`` every recorded failure counts.)
     """
 
     MAX_KINDS = 8  # log lines per interval; the rest are summed into one
 
-    def __init__(self, *, answers: bool = True) -> None:
+    def __init__(self, *, answers: bool = True, attempts: bool = False) -> None:
         self.answers = answers
+        self.attempts = attempts
         self.total: Counter[str] = Counter()
         self._window: dict[str, _Window] = {}
         self._since = time.monotonic()
@@ -155,6 +156,16 @@ class ErrorTally:
             self._at(kind).count += 1
             self.total[kind] += 1
 
+    def attempt(self, item_id: str, status: int | None, error: str | None) -> None:
+        if error is None:
+            return
+        kind = result_kind(status, error)
+        w = self._at(kind)
+        w.count += 1
+        self.total[kind] += 1
+        if w.example is None:
+            w.example = (item_id, error)
+
     def result(self, r: Result) -> None:
         if r.outcome == "ok":
             return
@@ -163,7 +174,7 @@ class ErrorTally:
         w.recorded[r.outcome] += 1
         if w.example is None:
             w.example = (r.id, r.error)
-        seen = (self.answers and r.status is not None
+        seen = self.attempts or (self.answers and r.status is not None
                 and kind in (answer_kind(r.status, True), answer_kind(r.status, False)))
         if not seen:
             w.count += 1
@@ -316,6 +327,9 @@ def halt_text(h: Halt) -> tuple[str, str]:
                 "free space or fix the disk, then rerun the same command: what was saved is kept")
     if h.reason == "signal":
         return (h.message, "rerun the same command to resume; nothing that succeeded is fetched again")
+    if h.reason == "unreachable":
+        return (f"the API cannot be reached: {h.message}",
+                "fix the config, then rerun the same command")
     return (h.message or h.reason, "rerun to resume; nothing that succeeded is fetched again")
 
 
@@ -329,7 +343,7 @@ def ids_left(s: Summary, total: int | None) -> tuple[int, int]:
 
 
 def summary_text(s: Summary, *, total: int | None = None, price: float | None = None,
-                 currency: str = "USD") -> str:
+                 currency: str = "USD", errors: list[tuple[str, int]] | None = None) -> str:
     """The final summary: what happened, and what to do next.
 
     Args:
@@ -337,6 +351,7 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
         total: the number of (non-blank) lines of the IDs list, when known: says how much is left.
         price: ``[billing] price_per_call``: adds the cost of this run and of what is left.
         currency: the price's currency.
+        errors: the most frequent error kinds of the run, counted by attempt.
     """
     rows = [
         ("ok", f"{s.ok:,}" + (f"  ({s.fetched:,} fetched now)" if s.fetched != s.ok else "")),
@@ -358,6 +373,8 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
     if s.duplicates:
         rows.append(("duplicates", f"{s.duplicates:,} (fetched once)"))
     rows.append(("requests", f"{s.requests:,} ({s.billable:,} billable, {s.retries:,} retries)"))
+    if errors:
+        rows.append(("errors", " · ".join(f"{k} × {n:,}" for k, n in errors)))
     if price is not None:
         rows.append(("cost", f"{s.billable * price:,.4f} {currency} this run "
                              f"({s.billable:,} billable calls at {price:g})"))

@@ -224,7 +224,7 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
 
 
 _MISSING = object()
-LOOKAHEAD = 1000  # records a --fields name is looked for in before it is called unknown
+LOOKAHEAD = 100  # records a --fields name is looked for in before it is called unknown
 
 
 def _get(row: dict[str, Any], name: str) -> Any:
@@ -247,13 +247,20 @@ def _check_fields(records: Iterator[dict[str, Any]], fields: list[str],
                   row_of: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """``records`` again, once every field was found in one of the first ``LOOKAHEAD`` rows:
     a misspelt column is an error, not an empty column."""
-    head = list(itertools.islice(records, LOOKAHEAD))
-    rows = [row_of(r) for r in head]
-    for name in fields:
-        if rows and all(_get(row, name) is _MISSING for row in rows):
-            raise ConfigError(f"--fields: {name!r} is in none of the first {len(rows):,} records "
-                              f"(they have: {', '.join(rows[0])}; use a dotted path such as "
-                              "author.name for a nested field)")
+    head: list[dict[str, Any]] = []  # held only until every field has shown up (usually 1)
+    missing = list(fields)
+    first: dict[str, Any] | None = None
+    for rec in itertools.islice(records, LOOKAHEAD):
+        head.append(rec)
+        row = row_of(rec)
+        first = first or row
+        missing = [name for name in missing if _get(row, name) is _MISSING]
+        if not missing:
+            break
+    if missing and first is not None:
+        raise ConfigError(f"--fields: {missing[0]!r} is in none of the first {len(head):,} records "
+                          f"(they have: {', '.join(first)}; use a dotted path such as "
+                          "author.name for a nested field)")
     return itertools.chain(head, records)
 
 

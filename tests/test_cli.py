@@ -885,3 +885,40 @@ def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -
     write_config(cfg, "http://127.0.0.1:9/{id}", tmp_path / "s", idsf, limits={"rate": 0})
     r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
     assert r.returncode == 2 and "c.toml" in r.stderr and "limits.rate" in r.stderr, r.stderr
+
+
+# -- a stuck job says why ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "said"), [
+    ("http://127.0.0.1:9/items/{id}", "connection refused to 127.0.0.1:9"),
+    ("http://nohost.invalid/items/{id}", "name nohost.invalid does not resolve"),
+])
+def test_an_error_waiting_cannot_cure_stops_the_job_at_once_with_the_fix(
+        tmp_path: Path, url: str, said: str) -> None:
+    cfg = write_config(tmp_path / "c.toml", url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"u{i}" for i in range(50)]))
+    t0 = time.monotonic()
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 30  # not minutes of probing
+    assert said in r.stderr and "[request] url" in r.stderr
+    assert re.search(rf"errors +{re.escape(said)} × \d+", r.stdout), r.stdout
+    s = status_json(cfg)
+    assert s["halt"]["reason"] == "unreachable" and s["ok"] == 0
+
+
+def test_error_lines_count_every_attempt_not_every_id(tmp_path: Path, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    gone = ids_of("gone", 4)  # always 500
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", gone), passes={"second_pass": False},
+                       run={"progress_interval": 30})
+    r = cli("run", "-c", str(cfg), "--no-progress", "--log-format", "json", env=ENV)
+    assert r.returncode == 6, r.stderr
+    events = [json.loads(line) for line in r.stderr.splitlines()]
+    burst = [e for e in events if e["event"] == "errors" and e["reason"] == "HTTP 500"]
+    tries = sum(1 for e in read_log(mock.log_path) if e.event == "end" and e.status == 500)
+    assert tries == 4 * 3  # max_tries = 3
+    assert sum(e["count"] for e in burst) == tries and burst[0]["recorded"] == {"failed": 4}
+    assert "HTTP 500 × 12" in r.stdout  # the summary says so too

@@ -362,3 +362,32 @@ async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
     assert second and all(p.total == 5 and 0 <= p.done <= 5 for p in second)
     assert final.done == 5
     assert all(p.done <= (p.total or 0) for p in seen)
+
+
+async def test_refused_connections_after_answers_are_an_outage_not_a_config_error(
+        state: Path) -> None:
+    server = TestServer(await _formats_app())
+    await server.start_server()
+    url = f"{server.make_url('/')}csv/{{id}}"
+    refused: list[str] = []
+
+    def attempt(item: str, status: int | None, error: str | None) -> None:
+        if error and "connection refused" in error:
+            refused.append(item)
+
+    cfg = Config(url=url, state_dir=str(state), response_format="text", rate=50.0,
+                 concurrency=2, backoff_base=0.01, backoff_max=0.05, cooldown=0.0)
+    async with Crawler(cfg, on_attempt=attempt) as crawler:
+        run = asyncio.create_task(crawler.run([f"o{i}" for i in range(200)]))
+        deadline = asyncio.get_running_loop().time() + 30
+        while crawler.ok < 5:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        await server.close()  # the server goes away mid-run
+        while len(refused) < 5:
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        crawler.stop()
+        summary = await asyncio.wait_for(run, 30)
+    assert summary.halt is not None and summary.halt.reason == "signal"
+    assert summary.ok >= 5

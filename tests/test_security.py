@@ -729,17 +729,19 @@ def test_bad_ca_bundle_is_a_config_error(tmp_path: Path, content: str | None, wh
 
 
 async def test_tls_through_a_whole_run(tls_a: Hostile, pki: Pki, tmp_path: Path) -> None:
-    """Default: every ID fails as a retryable TLS error and the run ends; ``verify_tls = false``
-    fetches and warns on every run."""
+    """Default: a certificate that does not verify on the first requests stops the run at once
+    (exit 2, with the fix: waiting cannot cure it); ``verify_tls = false`` fetches and warns on
+    every run."""
     ids = ["t1", "t2", "t3"]
     base = dict(url=tls_a.item_url, max_tries=2, backoff_base=0.01, backoff_max=0.02,
                 second_pass=False, breaker=False, rate=1000.0)
     async with Crawler(Config(**base, state_dir=str(tmp_path / "s1"))) as c:
         s = await asyncio.wait_for(c.run(ids), 30)
-    assert (s.ok, s.failed, s.exit_code) == (0, 3, 6)
+    assert (s.ok, s.exit_code) == (0, 2)
+    assert s.halt is not None and s.halt.reason == "unreachable"
+    assert "TLS certificate verification failed" in s.halt.message
+    assert "ca_bundle" in s.halt.message
     assert tls_a.requests == []
-    errors = [rec["e"] for _, rec in scan(tmp_path / "s1" / JOURNAL) if rec["k"] == "failed"]
-    assert len(errors) == 3 and all("TLS certificate verification failed" in e for e in errors)
 
     insecure = Config(**base, state_dir=str(tmp_path / "s2"), verify_tls=False)
     with asyncrawl_log() as lines:
@@ -769,10 +771,10 @@ def test_cli_default_refuses_an_untrusted_certificate(tls_a: Hostile, pki: Pki, 
     conf = write_config(tmp_path / "c.toml", tls_a.item_url, tmp_path / "state", ids)
     env = {"ASYNCRAWL_TEST_KEY": "k-123"}
     r = run_cli("run", "-c", str(conf), "--no-progress", "--no-second-pass", env=env)
-    assert r.returncode == 6, r.stderr
+    assert r.returncode == 2, r.stderr
     assert "verification is OFF" not in r.stderr
-    failed = run_cli("export", "-c", str(conf), "--outcome", "failed", env=env).stdout
-    assert "TLS certificate verification failed" in failed
+    assert "TLS certificate verification failed" in r.stdout + r.stderr
+    assert "ca_bundle" in r.stderr
     # with the CA as ca_bundle, a rerun fetches it
     conf = write_config(tmp_path / "c.toml", tls_a.item_url, tmp_path / "state", ids,
                         request={"ca_bundle": str(pki.ca_a)})
