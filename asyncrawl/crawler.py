@@ -212,7 +212,9 @@ class Crawler:
         self._outstanding = 0
         self._feeding = False
         self._failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
-        self._unusable: dict[str, int] = {}  # pass 2's IDs that were already sold unusable answers
+        # IDs that come into a pass with a history: failed in an earlier run (their failures say
+        # nothing about the upstream now), or already sold unusable answers (pass 2)
+        self._history: dict[str, Item] = {}
         self._pass2 = (0, 0)  # (IDs done when pass 2 began, IDs in pass 2)
         self._workers: Worker | None = None
         self._governor: Governor | None = None
@@ -370,9 +372,12 @@ class Crawler:
                     self.duplicates += 1
                     continue
                 seen.add(item)
-                if outcome.get(item) in ("ok", "unavailable"):
+                was = outcome.get(item)
+                if was in ("ok", "unavailable"):
                     self.skipped += 1
                     continue
+                if was in ("failed", "perm"):
+                    self._history[item] = Item(item, suspect=True)
                 fresh.append(item)
             if fresh:
                 yield fresh
@@ -388,7 +393,7 @@ class Crawler:
                              permanent=permanent, count_pass=False)
                 continue
             if unusable:
-                self._unusable[item] = unusable
+                self._history[item] = Item(item, unusable=unusable)
             chunk.append(item)
             if len(chunk) >= CHUNK_IDS:
                 yield chunk
@@ -466,16 +471,17 @@ class Crawler:
             self._wake.set()  # a task died: wake the pass so the error surfaces
 
     async def _produce(self, ids: AsyncIterator[list[str]], queue: IdQueue) -> None:
-        halted = self.halted
+        halted, history, workers = self.halted, self._history, self._workers
+        assert workers is not None
         async for chunk in ids:
             for item in chunk:
                 if halted.is_set():
                     break
                 self._outstanding += 1
-                self._workers.unsent += 1  # type: ignore[union-attr]
-                unusable = self._unusable
-                await queue.put(Item(item, unusable=unusable.pop(item)) if item in unusable
-                                else Item(item))
+                it = history.pop(item) if item in history else Item(item)
+                if not it.suspect:
+                    workers.unsent += 1
+                await queue.put(it)
             if halted.is_set():
                 break
         self._feeding = False

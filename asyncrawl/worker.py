@@ -34,6 +34,8 @@ class Item:
     tries: int = 0
     paid: int = 0
     unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
+    suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
+    sent: bool = False  # sent at least once in this pass (even if the try was not charged)
 
 
 class IdQueue(asyncio.Queue[Item]):
@@ -133,7 +135,8 @@ class Worker:
         self.idle.set()
         self.requests = 0
         self.retries = 0
-        self.unsent = 0  # IDs of this pass not tried yet (queued, or held before their first send)
+        self.unsent = 0  # IDs of this pass not tried yet (queued, or held before their first send),
+        # not counting suspect ones: what the breaker is there to protect
 
     def __repr__(self) -> str:
         return (f"<Worker pass={self.pass_no} queued={self.queue.qsize()} "
@@ -158,7 +161,8 @@ class Worker:
                 budget.release(False)  # no await between the last check and the send
                 return
             self.in_flight += 1
-            if item.tries == 0:
+            if not item.sent and not item.suspect:
+                item.sent = True
                 self.unsent -= 1
             flying.add(item.id)
             self.idle.clear()
@@ -178,14 +182,15 @@ class Worker:
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, retry_after_max)
-            # Only first tries in pass 1 tell an outage from bad IDs (pass 2 is all bad IDs).
+            # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
+            # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
             gov.on_response(ticket, item.id, limited=limited, failed=retry and not limited,
-                            retry_after=retry_after, evidence=first_try and first_pass)
+                            retry_after=retry_after,
+                            evidence=first_try and first_pass and not item.suspect)
             if retry and not limited and gov.breaker_open and not ticket.probe:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
                 # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1
-                self.unsent += item.tries == 0
                 self.parking.park(item, 0.0)
                 continue
             self.handle(item, attempt)

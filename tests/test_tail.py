@@ -97,3 +97,20 @@ def test_an_outage_is_ridden_out_with_few_requests_and_nothing_failed(tmp_path: 
     assert summary.halt is None
     deferred = [rec for _, rec in scan(tmp_path / "state" / JOURNAL) if rec["k"] == "failed"]
     assert deferred == []  # no ID was recorded failed because of the outage
+
+
+def test_a_rerun_of_only_failed_ids_takes_backoff_time_not_probe_time(tmp_path: Path) -> None:
+    """A rerun's leftovers are the IDs that failed before: their failing first tries say nothing
+    about the upstream, so they neither open the breaker nor wait on its probes."""
+    gone = [i for i in (f"g{n:05d}" for n in range(20000)) if flaky_faults(i).kind == "gone"][:30]
+    assert len(gone) == 30
+    state = tmp_path / "state"
+    with MockProcess(tmp_path / "mock.log", "--no-auth", "--faults", "flaky") as mock:
+        first, _ = crawl(mock.item_url, state, gone, second_pass=False)
+        assert first.failed == 30
+        t0 = time.monotonic()
+        again, _ = crawl(mock.item_url, state, gone, second_pass=False)
+        took = time.monotonic() - t0
+    chain = sum(cap(k) for k in range(1, JOB["max_tries"]))
+    assert again.failed == 30 and again.requests == 30 * JOB["max_tries"]
+    assert took <= chain + 5.0, f"{took:.1f} s for a {chain:.0f} s backoff chain"
