@@ -248,7 +248,7 @@ class Breaker:
     began fails, and is the latest sent.
     """
 
-    __slots__ = ("_events", "_interval", "_next_probe", "_probe_out", "failure_rate",
+    __slots__ = ("_interval", "_next_probe", "_probe_out", "_sent", "_who", "failure_rate",
                  "false_open", "min_failures", "min_ids", "open", "opened", "probe_initial",
                  "probe_max", "ratio", "recent", "window")
 
@@ -266,7 +266,8 @@ class Breaker:
         self.probe_max = probe_max
         self.open = False
         self.opened = 0
-        self._events: list[tuple[float, str, bool]] = []  # (sent_at, id, failed), by sent_at
+        self._sent: list[float] = []  # when the judged requests were sent, in order
+        self._who: list[str | None] = []  # beside each: the ID if it failed, else None
         self._interval = probe_initial
         self._next_probe = 0.0
         self._probe_out = False
@@ -278,7 +279,11 @@ class Breaker:
     def stand_down(self) -> None:
         """Close without a probe: there is nothing left for it to hold back."""
         self.open = self._probe_out = False
-        self._events.clear()
+        self._forget()
+
+    def _forget(self) -> None:
+        self._sent.clear()
+        self._who.clear()
 
     def gate(self, now: float, *, take: bool = True) -> float | None:
         """``None``: send normally. ``0``: send, as the probe (``take=False``: only look).
@@ -304,29 +309,35 @@ class Breaker:
                     self._next_probe = now + self._interval
                 else:
                     self.open = False
-                    self._events.clear()
+                    self._forget()
             return
         self.failure_rate += (failed - self.failure_rate) / 1000.0
-        ev = self._events
+        # Two parallel lists, not a list of tuples: one untracked float and one reference per
+        # answer, so the garbage collector's young generation does not count a container each.
+        times, who = self._sent, self._who
         sent = now if sent_at is None else sent_at
-        if ev and sent < ev[0][0] and len(ev) >= self.recent:
+        if times and sent < times[0] and len(times) >= self.recent:
             return  # sent before every request judged now: too old to matter
-        if ev and sent < ev[-1][0]:
-            bisect.insort(ev, (sent, item_id, failed))  # answered out of order (a slow one)
+        mark = item_id if failed else None
+        if times and sent < times[-1]:  # answered out of order (a slow one)
+            i = bisect.bisect_right(times, sent)
+            times.insert(i, sent)
+            who.insert(i, mark)
         else:
-            ev.append((sent, item_id, failed))
-        newest = ev[-1][0]
-        drop = max(len(ev) - self.recent, 0)
-        while drop < len(ev) and ev[drop][0] < newest - self.window:
+            times.append(sent)
+            who.append(mark)
+        newest = times[-1]
+        drop = max(len(times) - self.recent, 0)
+        while drop < len(times) and times[drop] < newest - self.window:
             drop += 1
         if drop:
-            del ev[:drop]
+            del times[:drop], who[:drop]
         if not failed:
             return
-        failures = [i for _, i, f in ev if f]
+        failures = [i for i in who if i is not None]
         if (len(failures) >= self.min_failures and len(set(failures)) >= self.min_ids
-                and len(failures) >= self.ratio * len(ev)
-                and _binomial_tail(len(failures), len(ev), min(self.failure_rate, 0.3))
+                and len(failures) >= self.ratio * len(times)
+                and _binomial_tail(len(failures), len(times), min(self.failure_rate, 0.3))
                 < self.false_open):
             self.open = True
             self.opened += 1
