@@ -15,7 +15,6 @@ import json
 import logging
 import logging.handlers
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .config import TOML_KEYS, UNSET_ENV, Config, flag_for
+from .config import Config, expand_env
 from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
 from .journal import load_state
@@ -34,7 +33,6 @@ from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
 from .source import file_ids, prescan_file
 
 log = logging.getLogger("asyncrawl")
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 GC_YOUNG_THRESHOLD = 10_000  # CPython's default is 700
 
 
@@ -128,21 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _headers(raw: list[str], secrets: set[str], need_env: bool = True) -> dict[str, str]:
-    def sub(m: re.Match[str]) -> str:
-        var = m.group(1)
-        if var not in os.environ:
-            if not need_env:
-                return UNSET_ENV + var
-            raise ConfigError(f"environment variable ${{{var}}} used in -H is not set")
-        secrets.add(os.environ[var])
-        return os.environ[var]
-
     out = {}
     for h in raw:
         name, sep, value = h.partition(":")
         if not sep or not name.strip():
             raise ConfigError("-H expects 'Name: value' (a header name, a colon, the value)")
-        out[name.strip()] = _ENV_REF.sub(sub, value.strip())
+        out[name.strip()] = expand_env(value.strip(), "-H", None, secrets, need_env)
     return out
 
 
@@ -159,13 +148,7 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides:
                 # status/export need only the state directory
                 return Config(url="http://unused/{id}", state_dir=overrides.get("state_dir", "state"))
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
-        try:
-            return Config(**overrides)
-        except ConfigError as e:  # every value came from a flag: name the flag
-            name = TOML_KEYS.get(e.key or "")
-            if name in overrides:
-                raise ConfigError(str(e).split(": ", 1)[-1], key=flag_for(name)) from None
-            raise
+        return Config.from_dict({}, **overrides)  # every value is a flag: errors name the flag
     return Config.load(path, need_env=need_env, **overrides)
 
 

@@ -198,7 +198,7 @@ class Config:
                     known = ", ".join(k.split(".", 1)[1] for k in TOML_KEYS if k.startswith(section + "."))
                     raise ConfigError(f"unknown key; [{section}] takes {known}", key=dotted, path=path)
                 name = TOML_KEYS[dotted]
-                value = _expand(value, dotted, path, secrets, need_env)
+                value = expand_env(value, dotted, path, secrets, need_env)
                 if name in ("ids", "state_dir", "ca_bundle") and isinstance(value, str) and value != "-":
                     value = str(base / value)
                 kwargs[name] = value
@@ -382,7 +382,7 @@ def _forms_of(secrets: Iterable[str]) -> tuple[str, ...]:
 UNSET_ENV = "unset-env-"  # what an unset ${VAR} reads as when the secrets are not needed
 
 
-def _expand(value: Any, key: str, path: Path | None, secrets: set[str], need_env: bool) -> Any:
+def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_env: bool) -> Any:
     """Replace ``${VAR}`` in strings (recursively); remember the values as secrets. An unset
     variable is an error, unless ``need_env`` is false (reading state sends nothing): then it
     reads as ``unset-env-VAR``."""
@@ -398,9 +398,9 @@ def _expand(value: Any, key: str, path: Path | None, secrets: set[str], need_env
             return os.environ[var]
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _expand(v, f"{key}.{k}", path, secrets, need_env) for k, v in value.items()}
+        return {k: expand_env(v, f"{key}.{k}", path, secrets, need_env) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand(v, key, path, secrets, need_env) for v in value]
+        return [expand_env(v, key, path, secrets, need_env) for v in value]
     return value
 
 

@@ -117,16 +117,11 @@ class RateController:
         """Record an answer; ``limited``: the server said "too many requests"; ``asked``: the
         answer carried a ``Retry-After``."""
         self.background += (limited - self.background) / 2000.0
-        if limited or asked:
-            cutoff = now - 1.0
-            for q in (self._limited_recent, self._asked):
-                while q and q[0] < cutoff:
-                    q.popleft()
-            if limited:
-                self._limited_recent.append(now)
-                self._episode_share = max(self._episode_share, self._recent_share(now))
-            if asked:
-                self._asked.append(now)
+        if asked:
+            self._asked.append(now)
+        if limited:
+            self._limited_recent.append(now)
+            self._episode_share = max(self._episode_share, self._recent_share(now))
         if sent_at >= self._last_cut:
             if limited:
                 self._limited += 1
@@ -151,20 +146,20 @@ class RateController:
         """Is the server holding back the *job* (not one item)? True when the answers of the
         last second that asked us to wait are more of them than the background (see the class
         docstring): then a ``Retry-After`` pauses every request, not only its own item."""
-        asked = self._asked
-        while asked and asked[0] < now - 1.0:
-            asked.popleft()
-        if not asked:
-            return False
-        self._recent_share(now)  # trims both windows to the last second
+        self._trim(now)
         answers = len(self._recent) + len(self._limited_recent)
-        return len(asked) > self._noise() * answers
+        return bool(self._asked) and len(self._asked) > self._noise() * answers
+
+    def _trim(self, now: float) -> None:
+        """Keep only the last second in the per-second windows."""
+        cutoff = now - 1.0
+        for q in (self._recent, self._limited_recent, self._asked):
+            while q and q[0] < cutoff:
+                q.popleft()
 
     def _recent_share(self, now: float) -> float:
         """The share of 429s among the answers of the last second."""
-        for q in (self._recent, self._limited_recent):
-            while q and q[0] < now - 1.0:
-                q.popleft()
+        self._trim(now)
         limited = len(self._limited_recent)
         return limited / (len(self._recent) + limited) if limited else 0.0
 

@@ -176,12 +176,13 @@ def flaky_faults(item_id: str) -> Fault:
     return _FLAKY_TABLE[bucket] if bucket < len(_FLAKY_TABLE) else _OK
 
 
-FAULT_MIXES: dict[str, Callable[[str], Fault]] = {}  # filled below: name -> mixture
-
-
 def no_faults(item_id: str) -> Fault:
     """Every ID answers 200 with :func:`payload_for`."""
     return _OK
+
+
+FAULT_MIXES: dict[str, Callable[[str], Fault]] = {
+    "demo": demo_faults, "flaky": flaky_faults, "none": no_faults}  # ``--faults NAME``
 
 
 def read_log(path: str | os.PathLike[str]) -> list[LogEntry]:
@@ -505,9 +506,6 @@ class MockProcess:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-
-
-FAULT_MIXES.update(demo=demo_faults, flaky=flaky_faults, none=no_faults)
 
 
 def _mapping_faults(faults: Mapping[str, Fault]) -> Callable[[str], Fault]:

@@ -7,7 +7,8 @@ takes the next ID at once. What an attempt leads to (``Worker.handle``)::
     OK     -> settle "ok"
     FATAL  -> set the job's halt (no new request starts anywhere), the ID stays unsettled
     SKIP   -> settle "failed" (permanent) in pass 1, "unavailable" in pass 2
-    RETRY  -> park for retry_delay(...) while tries < max_tries, else settle like SKIP (not permanent)
+    RETRY  -> park for retry_delay(...) while tries < max_tries, else settle like SKIP (not permanent);
+              a paid (2xx) answer that did not parse: settle once bought more than paid_retries times
 """
 
 from __future__ import annotations
@@ -203,10 +204,6 @@ class Worker:
         queued = list(self.queue._queue)  # type: ignore[attr-defined]  # the pass is over
         return [*self.parking.items(), *queued, *self.held.values()]
 
-    def _bought_enough(self, item: Item) -> bool:
-        item.unusable += 1
-        return item.unusable > self.config.paid_retries
-
     def handle(self, item: Item, attempt: Attempt) -> None:
         outcome = attempt.outcome
         final = "unavailable" if self.pass_no > 1 else "failed"
@@ -216,16 +213,18 @@ class Worker:
             self.halt("fatal", attempt)
         elif outcome is Outcome.SKIP:
             self.settle(item, final, attempt, permanent=True)
-        elif attempt.billable and self._bought_enough(item):
-            # a paid answer that does not parse is bought again at most paid_retries times
-            self.settle(item, final, attempt._replace(error=f"{attempt.error}; bought "
-                        f"{item.unusable} times, not again ([retry] paid_retries)"),
-                        permanent=False)
-        elif item.tries < self.config.max_tries:
+        else:  # RETRY
             cfg = self.config
-            self.retries += 1
-            self.parking.park(item, retry_delay(
-                item.tries, attempt.retry_after, base=cfg.backoff_base, cap=cfg.backoff_max,
-                retry_after_max=cfg.retry_after_max, jitter=cfg.jitter))
-        else:
-            self.settle(item, final, attempt, permanent=False)
+            item.unusable += attempt.billable
+            if attempt.billable and item.unusable > cfg.paid_retries:
+                # a paid answer that does not parse is bought again at most paid_retries times
+                self.settle(item, final, attempt._replace(error=f"{attempt.error}; bought "
+                            f"{item.unusable} times, not again ([retry] paid_retries)"),
+                            permanent=False)
+            elif item.tries < cfg.max_tries:
+                self.retries += 1
+                self.parking.park(item, retry_delay(
+                    item.tries, attempt.retry_after, base=cfg.backoff_base, cap=cfg.backoff_max,
+                    retry_after_max=cfg.retry_after_max, jitter=cfg.jitter))
+            else:
+                self.settle(item, final, attempt, permanent=False)
