@@ -180,15 +180,18 @@ class Worker:
             item.paid += attempt.billable
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
+            # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
+            # one: the server answered, and billed it
+            down = retry and not limited and not attempt.billable
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, retry_after_max)
             # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
             # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
-            gov.on_response(ticket, item.id, limited=limited, failed=retry and not limited,
+            gov.on_response(ticket, item.id, limited=limited, failed=down,
                             retry_after=retry_after,
                             evidence=first_try and first_pass and not item.suspect)
-            if retry and not limited and gov.breaker_open and not ticket.probe:
+            if down and gov.breaker_open and not ticket.probe:
                 # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
                 # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
                 item.tries -= 1

@@ -4,6 +4,7 @@ resume, halts, hooks, an injected session and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import json
 from pathlib import Path
@@ -391,3 +392,24 @@ async def test_refused_connections_after_answers_are_an_outage_not_a_config_erro
         summary = await asyncio.wait_for(run, 30)
     assert summary.halt is not None and summary.halt.reason == "signal"
     assert summary.ok >= 5
+
+
+async def test_unparsable_paid_answers_are_no_outage_and_never_bought_uncharged(state: Path) -> None:
+    """20 IDs that all answer an empty 2xx: the server answered (and billed), so the breaker
+    does not open and hold them uncharged: each is bought exactly 1 + paid_retries times."""
+    server = TestServer(await _formats_app())
+    await server.start_server()
+    calls: collections.Counter[str] = collections.Counter()
+    try:
+        cfg = Config(url=f"{server.make_url('/')}empty/{{id}}", state_dir=str(state),
+                     cooldown=0.0, backoff_base=0.01, concurrency=16, rate=1000.0)
+
+        def count(item: str, status: int | None, error: str | None) -> None:
+            calls[item] += 1
+
+        async with Crawler(cfg, on_attempt=count) as crawler:
+            summary = await crawler.run([f"e{i:02d}" for i in range(20)])
+    finally:
+        await server.close()
+    assert summary.unavailable == 20
+    assert set(calls.values()) == {2}
