@@ -6,14 +6,17 @@ and without ever dying halfway.
     config = asyncrawl.Config.load("config.toml")
     async with asyncrawl.Crawler(config) as crawler:
         summary = await crawler.run(ids)
+
+``Crawler`` and the names of ``fetch`` (which need aiohttp) are imported when first used, so
+that the read-only commands (``status``, ``export``) start without loading the HTTP stack.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .config import Config
-from .crawler import Crawler, Halt, Progress, Result, Summary
 from .errors import (
     AsyncrawlError,
     ConfigError,
@@ -23,13 +26,21 @@ from .errors import (
     LockedError,
     StorageError,
 )
-from .fetch import Outcome, Request, Response, new_session
+from .types import ErrorKind, Halt, Progress, Result, Summary
+
+if TYPE_CHECKING:
+    from .crawler import Crawler
+    from .fetch import Outcome, Request, Response, new_session
+
+_LAZY = {"Crawler": "crawler", "Outcome": "fetch", "Request": "fetch", "Response": "fetch",
+         "new_session": "fetch"}
 
 __all__ = [
     "AsyncrawlError",
     "Config",
     "ConfigError",
     "Crawler",
+    "ErrorKind",
     "Halt",
     "InputError",
     "JobMismatch",
@@ -45,3 +56,14 @@ __all__ = [
     "__version__",
     "new_session",
 ]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: the names that need aiohttp, on first use
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrawl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-if TYPE_CHECKING:
-    from .config import Config
-    from .crawler import Halt, Summary
+from .config import Config
+from .types import Halt, Summary
 
 log = logging.getLogger("asyncrawl")
 ALERT_TIMEOUT = 30.0

@@ -23,14 +23,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .config import Config, expand_env
-from .crawler import Crawler, Progress, Summary
 from .errors import AsyncrawlError, ConfigError
-from .journal import load_state
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
+from .records import SETTLED
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
-from .source import file_ids, prescan_file
+from .source import CHUNK_IDS, file_ids, prescan_file
+from .store import read_store
+from .types import Progress, Summary
 
 log = logging.getLogger("asyncrawl")
 GC_YOUNG_THRESHOLD = 10_000  # CPython's default is 700
@@ -52,20 +53,13 @@ def tune_gc() -> None:
         gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="asyncrawl",
-        description="Fetch every item of a huge ID list from a rate-limited, paid HTTP API: "
-                    "once, fast, resumable.")
-    p.add_argument("--version", action="version", version=f"asyncrawl {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+def _common(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("-c", "--config", help="config file (default: ./config.toml if present)")
+    sp.add_argument("--state", metavar="DIR", help="state directory ([state] dir)")
 
-    def common(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("-c", "--config", help="config file (default: ./config.toml if present)")
-        sp.add_argument("--state", metavar="DIR", help="state directory ([state] dir)")
 
-    run = sub.add_parser("run", help="fetch every unsettled ID (resumes where it stopped)")
-    common(run)
+def _run_parser(run: argparse.ArgumentParser) -> None:
+    _common(run)
     run.add_argument("--ids", metavar="PATH|-", help="IDs file, one per line; - for stdin")
     run.add_argument("--url", metavar="TEMPLATE", help="URL template with {id}")
     run.add_argument("--concurrency", type=int, metavar="N",
@@ -98,12 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-file", metavar="FILE",
                      help="log here instead of stderr (reopened when logrotate moves it)")
 
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="asyncrawl",
+        description="Fetch every item of a huge ID list from a rate-limited, paid HTTP API: "
+                    "once, fast, resumable.")
+    p.add_argument("--version", action="version", version=f"asyncrawl {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _run_parser(sub.add_parser("run", help="fetch every unsettled ID (resumes where it stopped)"))
+
     st = sub.add_parser("status", help="what the state directory holds")
-    common(st)
+    _common(st)
     st.add_argument("--json", action="store_true", help="one JSON object")
 
     ex = sub.add_parser("export", help="write results (streams; constant memory)")
-    common(ex)
+    _common(ex)
     ex.add_argument("--outcome", choices=EXPORT_OUTCOMES, default="ok",
                     help="which IDs (default: ok)")
     ex.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl",
@@ -268,6 +273,8 @@ async def _run(config: Config, *, ids_path: str, progress: bool,
         if time.monotonic() - last_drain >= config.progress_interval * 0.99:
             drain_errors()
 
+    from .crawler import Crawler  # the HTTP stack: loaded only by the commands that send
+
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
                       on_result=errors.result, on_attempt=errors.attempt)
     loop = asyncio.get_running_loop()
@@ -352,19 +359,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _dry_run(config: Config, ids_path: str) -> int:
-    state = load_state(Path(config.state_dir))
+    store = read_store(config.state_dir, missing_ok=True)
 
     async def count() -> tuple[int, int, int]:
         seen: set[str] = set()
         left = done = 0
+        chunk: list[str] = []
+
+        async def settle(chunk: list[str]) -> None:
+            nonlocal left, done
+            states = await store.lookup(chunk) if store is not None else {}
+            settled = sum(1 for item in chunk if states.get(item) in SETTLED)
+            done, left = done + settled, left + len(chunk) - settled
+
         async for item in file_ids(ids_path):
             if item in seen:
                 continue
             seen.add(item)
-            if state.is_settled(item):
-                done += 1
-            else:
-                left += 1
+            chunk.append(item)
+            if len(chunk) >= CHUNK_IDS:
+                await settle(chunk)
+                chunk = []
+        await settle(chunk)
         return len(seen), done, left
 
     unique, done, left = asyncio.run(count())

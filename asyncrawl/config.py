@@ -411,8 +411,7 @@ def _is_num(v: Any) -> bool:
 def _check_shapes(c: Config) -> None:
     """The fields ``__post_init__`` converts, checked before it does: a wrong type is a
     ``ConfigError`` naming the key, not a ``TypeError`` from ``dict()`` or ``frozenset()``."""
-    def bad(name: str, msg: str) -> ConfigError:
-        return ConfigError(msg, key=FIELD_KEYS.get(name, name))
+    bad = _bad
 
     for name in ("headers", "params"):
         v = getattr(c, name)
@@ -432,10 +431,18 @@ def _check_shapes(c: Config) -> None:
         raise bad("method", f"must be a string, got {type(c.method).__name__}")
 
 
-def _validate(c: Config) -> None:
-    def bad(name: str, msg: str) -> ConfigError:
-        return ConfigError(msg, key=FIELD_KEYS.get(name, name))
+def _bad(name: str, msg: str) -> ConfigError:
+    """A ConfigError naming the TOML key of the field ``name``."""
+    return ConfigError(msg, key=FIELD_KEYS.get(name, name))
 
+
+def _validate(c: Config) -> None:
+    _check_types(c)
+    _check_values(c)
+
+
+def _check_types(c: Config) -> None:
+    bad = _bad
     types: dict[str, Any] = {f.name: f.type for f in fields(c)}
     for name in types:
         v = getattr(c, name)
@@ -478,6 +485,10 @@ def _validate(c: Config) -> None:
                 if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
                     raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
 
+
+
+def _check_values(c: Config) -> None:
+    bad = _bad
     positive = ("timeout", "rate", "concurrency", "burst", "max_tries", "max_body_bytes",
                 "progress_interval", "retry_after_max", "breaker_probe_max")
     for name in positive:

@@ -7,12 +7,12 @@
     ├── InputError         bad IDs file: unreadable, bad line        (CLI exit 2)
     ├── LockedError        another run holds the state directory     (CLI exit 2)
     ├── JobMismatch        the state directory belongs to another job (CLI exit 2)
-    └── StorageError       the journal cannot be written or read     (CLI exit 5)
+    └── StorageError       the state cannot be written or read       (CLI exit 5)
         └── JournalCorrupt damage inside the journal (not a torn tail)
 
 Network and HTTP problems are *not* exceptions: they are outcomes (see ``fetch.py``), recorded in
-the journal. aiohttp's exceptions are mapped to outcomes at exactly one place, ``fetch.attempt``,
-so callers never see a backend's exceptions.
+the state. aiohttp's exceptions are mapped to outcomes (an ``Outcome`` and an ``ErrorKind``) at
+exactly one place, ``fetch.Fetcher._attempt``, so callers never see a backend's exceptions.
 """
 
 from __future__ import annotations

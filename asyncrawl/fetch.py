@@ -1,7 +1,8 @@
 """One HTTP attempt for one ID: build the request, send it, read the body, classify the result.
 
-This is the only module that talks to aiohttp, and ``Fetcher.attempt`` is the one boundary where
-aiohttp's exceptions become outcomes: it never raises for a network or HTTP problem. Every answer
+This is the only module that sends requests, and ``Fetcher._attempt`` is the one place where
+aiohttp's exceptions become outcomes (an ``Outcome`` and an ``ErrorKind``): it never raises for a
+network or HTTP problem. Every answer
 falls in exactly one ``Outcome`` class (SPEC §2)::
 
     OK     2xx whose body parses as JSON              -> settled
@@ -42,6 +43,7 @@ from yarl import URL
 from .config import _SECRET_PARAM, Config
 from .errors import ConfigError
 from .retry import parse_retry_after
+from .types import ErrorKind
 
 log = logging.getLogger("asyncrawl")
 
@@ -95,7 +97,8 @@ class Response:
 
 class Attempt(NamedTuple):
     """The result of one attempt (a tuple: one is made per request). ``body`` is the raw body of
-    an ``OK`` answer, ``data`` the payload parsed from it."""
+    an ``OK`` answer, ``data`` the payload parsed from it; ``kind`` what went wrong (``None``:
+    nothing), ``error`` the same in words, redacted."""
 
     outcome: Outcome
     status: int | None = None
@@ -104,6 +107,7 @@ class Attempt(NamedTuple):
     retry_after: float | None = None
     billable: bool = False
     body: bytes | None = None
+    kind: ErrorKind | None = None
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]
@@ -264,13 +268,15 @@ class Fetcher:
                             same = target.origin() == url.origin()
                         except ValueError:  # not a URL, or one without a host (mailto:, data:)
                             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                                f"redirect to an invalid Location {resp.headers['Location']}"[:500]))
+                                f"redirect to an invalid Location {resp.headers['Location']}"[:500]),
+                                kind=ErrorKind.REDIRECT)
                         allowed = cfg.follow_redirects == "any" or (
                             same and cfg.follow_redirects == "same-origin")
                         if not allowed or hop == cfg.max_redirects:
                             why = "too many redirects" if allowed else "redirect not followed"
                             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                                f"{why}: Location {resp.headers['Location']}"[:500]))
+                                f"{why}: Location {resp.headers['Location']}"[:500]),
+                                kind=ErrorKind.REDIRECT)
                         if not same:  # never carry credentials to another origin
                             headers = {k: v for k, v in headers.items()
                                        if not cfg.is_secret_header(k)
@@ -285,16 +291,21 @@ class Fetcher:
             raise AssertionError("unreachable")  # pragma: no cover
         except aiohttp.ClientConnectorCertificateError as e:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(
-                f"TLS certificate verification failed: {_describe(e.certificate_error)}; if the "
-                "server uses a private CA, add it with [request] ca_bundle")[:500])
+                f"{CERTIFICATE}: {_describe(e.certificate_error)}; if the "
+                "server uses a private CA, add it with [request] ca_bundle")[:500],
+                kind=ErrorKind.TLS)
         except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
-            return Attempt(Outcome.RETRY, None, error=self._timeout_error(e))
+            return Attempt(Outcome.RETRY, None, error=self._timeout_error(e),
+                           kind=ErrorKind.TIMEOUT)
         except aiohttp.ClientConnectorError as e:
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe_connect(e)))
+            kind, error = _connect_error(e)
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind)
         except aiohttp.ClientError as e:
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)))
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
+                           kind=ErrorKind.NETWORK)
         except OSError as e:  # e.g. a socket error aiohttp did not wrap
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)))
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
+                           kind=ErrorKind.NETWORK)
 
     def _timeout_error(self, e: TimeoutError) -> str:
         if isinstance(e, _CONNECT_TIMEOUT):
@@ -332,7 +343,7 @@ class Fetcher:
         retry_after = None if status < 300 else parse_retry_after(headers.get("Retry-After"))
         if body is None:
             return Attempt(Outcome.SKIP, status, error=f"body larger than {cfg.max_body_bytes} bytes",
-                           billable=200 <= status < 300)
+                           billable=200 <= status < 300, kind=ErrorKind.TOO_LARGE)
         data, body_ok = _parse(body, cfg.response_format)
         outcome = status_class(status, cfg)
         effective = status
@@ -351,14 +362,16 @@ class Fetcher:
         if outcome is Outcome.OK:
             if not body_ok:
                 return Attempt(Outcome.RETRY, status, error=_unparsable(status, body, cfg),
-                               billable=billable)
+                               billable=billable, kind=ErrorKind.BODY)
             # the journal splices a JSON body in as received; text and bytes go in as strings
             return Attempt(Outcome.OK, status, data=data, billable=billable,
                            body=body if cfg.response_format == "json" else None)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"
+        kind = ErrorKind.HTTP
         if not body_ok and 200 <= status < 300:
-            error = _unparsable(status, body, cfg)
-        return Attempt(outcome, effective, error=error, retry_after=retry_after, billable=billable)
+            error, kind = _unparsable(status, body, cfg), ErrorKind.BODY
+        return Attempt(outcome, effective, error=error, retry_after=retry_after, billable=billable,
+                       kind=kind)
 
 
 def _parse(body: bytes, fmt: str) -> tuple[Any, bool]:
@@ -461,37 +474,27 @@ def tls_context(config: Config) -> ssl.SSLContext | bool:
     return ctx
 
 
-# Errors that waiting cannot cure when they come before any answer: the fix for each.
-REFUSED = "connection refused"
-UNRESOLVED = "does not resolve"
 CERTIFICATE = "TLS certificate verification failed"
+
+# Errors that waiting cannot cure when they come before any answer: the fix for each.
 INCURABLE = {
-    REFUSED: "nothing listens at that address: check the host and port of [request] url "
-             "(or --url), and that the server is up",
-    UNRESOLVED: "check the host name of [request] url (or --url), and the machine's DNS",
-    CERTIFICATE: "if the server uses a private CA, add it with [request] ca_bundle; check the "
-                 "host name of [request] url",
+    ErrorKind.REFUSED: "nothing listens at that address: check the host and port of "
+                       "[request] url (or --url), and that the server is up",
+    ErrorKind.DNS: "check the host name of [request] url (or --url), and the machine's DNS",
+    ErrorKind.TLS: "if the server uses a private CA, add it with [request] ca_bundle; check the "
+                   "host name of [request] url",
 }
 
 
-def incurable(error: str | None) -> str | None:
-    """The key of ``INCURABLE`` that an attempt's error is, if any."""
-    if error:
-        for key in INCURABLE:
-            if key in error:
-                return key
-    return None
-
-
-def _describe_connect(e: aiohttp.ClientConnectorError) -> str:
-    """A connect failure in words an operator acts on: ``connection refused to host:port``,
-    ``name host does not resolve``; else the exception as usual."""
+def _connect_error(e: aiohttp.ClientConnectorError) -> tuple[ErrorKind, str]:
+    """A connect failure's kind, in words an operator acts on: ``connection refused to
+    host:port``, ``name host does not resolve``; else the exception as usual."""
     err = e.os_error
     if isinstance(err, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
-        return f"name {e.host} {UNRESOLVED}"
+        return ErrorKind.DNS, f"name {e.host} does not resolve"
     if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:
-        return f"{REFUSED} to {e.host}:{e.port}"
-    return _describe(e)
+        return ErrorKind.REFUSED, f"connection refused to {e.host}:{e.port}"
+    return ErrorKind.NETWORK, _describe(e)
 
 
 def _describe(e: BaseException) -> str:

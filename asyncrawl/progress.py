@@ -4,12 +4,12 @@ reasons counted and aggregated for the log, and the final summary. Everything he
 
 ::
 
-    on_result ──► ErrorTally ──► top reasons (LiveView)
-    classify* ──┘      └───────► drain(): one log line per error kind per interval
+    on_attempt ─► ErrorTally ──► top reasons (LiveView)
+    on_result ──┘      └───────► drain(): one log line per error kind per interval
     on_progress ──► LiveView (terminal) | line() (logs, pipes)
     Summary ──────► summary_text(): what happened, and what to do next
 
-    * an observing classifier that never changes a verdict (``cli._run``)
+The numbers themselves (rate, ETA, ``live.json``) are computed by ``live.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .crawler import Halt, Progress, Result, Summary
+from .types import Halt, Progress, Result, Summary
 
 
 def _duration(seconds: float | None) -> str:

@@ -1,8 +1,8 @@
-"""Reading a state directory without locking it: ``status`` figures and ``export`` streams.
+"""Reading a job's state without taking its lock: ``status`` figures and ``export`` streams.
 
-Both read the journal through ``journal.scan`` (a torn tail of a running or crashed job is simply
-not read). ``export`` streams: memory holds each ID's latest state, never the payloads, except
-for failed/unavailable exports, which keep one small record per failed ID.
+Both read through the store's interface (``store.read_store``): ``status`` from its
+``snapshot()``, ``export`` from its ``records()`` and ``in_doubt()`` streams, so a run may be
+going meanwhile. Exports stream: memory never holds the payloads.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ import csv
 import itertools
 import os
 import tempfile
-import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -21,10 +19,12 @@ from urllib.parse import urlsplit
 import orjson
 
 from .config import Config
-from .crawler import Halt
 from .errors import ConfigError, StorageError
-from .journal import JOURNAL, State, load_state, lock_holder, scan
+from .live import read_live
 from .progress import halt_text
+from .records import Record
+from .store import read_store
+from .types import Halt
 
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
 EXPORT_FORMATS = ("jsonl", "csv", "ids")
@@ -42,70 +42,52 @@ def endpoint_of(url: str) -> str:
     return f"{host}{f':{port}' if port else ''}{parts.path or '/'}"
 
 
-def _day(ts: float) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(ts))
-
-
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     """The figures ``asyncrawl status`` prints (the ``--json`` object).
 
     The billing ledger counts billable (2xx) calls by the UTC date of their record and by
-    endpoint, derived from ``config.url`` (``endpoint=None``: unknown, e.g. no config was given;
-    a string: that endpoint). ``not_billed`` counts the calls sent without a 2xx answer (error
-    answers, timeouts, dropped connections), from the journal's note written before each send,
-    minus the calls whose answer was lost in a crash (``in_doubt``: possibly billed).
+    endpoint: the one the state's job fetched; without one, derived from ``config.url``
+    (``endpoint=None``: unknown, e.g. no config was given; a string: that endpoint).
+    ``not_billed`` counts the calls sent without a 2xx answer (error answers, timeouts, dropped
+    connections), from the store's note written before each send, minus the calls whose answer
+    was lost in a crash (``in_doubt``: possibly billed).
     """
     d = Path(config.state_dir)
-    _require_state(d)
-    running = lock_holder(d)
-    # one read of the journal: the state (as load_state replays it) and the calls sent
-    st = State()
-    sent_by_day: Counter[str] = Counter()
-    for _, rec in scan(d / JOURNAL):
-        st.apply(rec)
-        if rec["k"] == "sent":
-            sent_by_day[_day(rec["ts"])] += 1
-    if running is None:
-        st.close_run(crashed=True)
-    counts = st.counts()
-    billable = sum(st.billable_by_day.values())
-    in_doubt = len(st.in_doubt) + (len(st.in_flight) if running is not None else 0)
-    sent = sum(sent_by_day.values())
-    if st.job is not None:  # what the state says it fetched, not what today's config says
-        endpoint = endpoint_of(st.job["url"])
+    snap = read_store(d).snapshot()
+    billable = snap.billable
+    if snap.job is not None:  # what the state says it fetched, not what today's config says
+        endpoint = endpoint_of(snap.job["url"])
     elif endpoint == "":
         endpoint = config.redact(endpoint_of(config.url))
     price = config.price_per_call
     ledger = []
-    for day, n in sorted(st.billable_by_day.items()):
+    for day, n in snap.billable_by_day.items():
         row: dict[str, Any] = {"date": day, "endpoint": endpoint, "billable": n}
         if price is not None:
             row["cost"] = round(n * price, 6)
         ledger.append(row)
     halt = None
-    if st.halt is not None:
-        halt = {"status": st.halt.get("s"), "message": config.redact(st.halt.get("e") or ""),
-                "reason": st.halt.get("reason")}
+    if snap.halt is not None:
+        halt = {"status": snap.halt.status, "message": config.redact(snap.halt.message),
+                "reason": snap.halt.reason}
+    doubt = snap.in_doubt + snap.billed_twice + snap.in_flight
     out: dict[str, Any] = {
-        **counts,
+        **snap.counts.as_dict(),
         "halt": halt,
         "billable": billable,
-        "billable_by_date": dict(sorted(st.billable_by_day.items())),
+        "billable_by_date": dict(snap.billable_by_day),
         "ledger": ledger,
-        "requests_sent": sent,
-        "not_billed": max(0, sent - billable - in_doubt) if sent else None,
-        "in_doubt": sum(1 for twice in st.in_doubt.values() if not twice),
-        "possibly_billed_twice": sum(st.in_doubt.values()),
-        "in_flight": len(st.in_flight) if running is not None else 0,
-        "running": running,
-        "runs": st.runs,
+        "requests_sent": snap.sent,
+        "not_billed": max(0, snap.sent - billable - doubt) if snap.sent else None,
+        "in_doubt": snap.in_doubt,
+        "possibly_billed_twice": snap.billed_twice,
+        "in_flight": snap.in_flight,
+        "running": snap.running,
+        "runs": snap.runs,
         "state_dir": str(d),
     }
-    if running is not None:
-        try:
-            out["live"] = orjson.loads((d / "live.json").read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            out["live"] = None
+    if snap.running is not None:
+        out["live"] = read_live(d)
     if price is not None:
         out["cost"] = round(billable * price, 6)
         out["currency"] = config.currency
@@ -153,41 +135,20 @@ def status_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _require_state(d: Path) -> None:
-    """A state directory that does not exist, or where nothing has run, is a usage error (a
-    wrong ``--state``), not a storage failure."""
-    if not (d / JOURNAL).exists():
-        what = "does not exist" if not d.exists() else "holds no asyncrawl state"
-        raise ConfigError(f"{d} {what}: nothing has run with this state directory (check "
-                          "--state, or [state] dir in the config)")
-
-
 def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
-    """The records to export, from one read of the journal."""
-    path = state_dir / JOURNAL
-    _require_state(state_dir)
+    """The rows to export, streamed from the store (opened now: a wrong --state fails here)."""
+    store = read_store(state_dir)
     if outcome == "in-doubt":
-        st = load_state(state_dir, running=lock_holder(state_dir) is not None)
-        for item, twice in st.in_doubt.items():
-            yield {"id": item, "refetched": twice}
-        return
-    if outcome == "ok":  # ok is final: an ID's first ok record is its result
-        exported: set[str] = set()
-        for _, rec in scan(path):
-            if rec["k"] == "ok" and rec["id"] not in exported:
-                exported.add(rec["id"])  # never two ok lines for one ID
-                yield rec
-        return
-    want = {"failed": ("failed", "perm"), "unavailable": ("unavailable",)}[outcome]
-    st = State()
-    latest: dict[str, dict[str, Any]] = {}
-    for _, rec in scan(path):
-        st.apply(rec)
-        if rec["k"] in ("failed", "unavailable"):
-            latest[rec["id"]] = rec
-    for item, rec in latest.items():
-        if st.outcome.get(item) in want:
-            yield rec
+        return ({"id": item, "refetched": twice} for item, twice in store.in_doubt())
+    return (_plain(rec, outcome) for rec in store.records(outcome))
+
+
+def _plain(rec: Record, outcome: str) -> dict[str, Any]:
+    """An exported record as JSON lines and CSV see it: ``id`` and ``data`` (ok), or ``id``,
+    ``status``, ``error``."""
+    if outcome == "ok":
+        return {"id": rec.id, "data": rec.payload}
+    return {"id": rec.id, "status": rec.status, "error": rec.error}
 
 
 def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
@@ -275,13 +236,7 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
         if fmt == "ids":
             out.write(rec["id"] + "\n")
         elif fmt == "jsonl":
-            if outcome == "in-doubt":
-                obj = rec
-            elif outcome == "ok":
-                obj = {"id": rec["id"], "data": rec.get("data")}
-            else:
-                obj = {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
-            out.write(orjson.dumps(obj).decode() + "\n")
+            out.write(orjson.dumps(rec).decode() + "\n")
         else:
             row = _row(rec, outcome)
             if writer is None:
@@ -293,14 +248,11 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
 
 
 def _row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
-    """One exported record as CSV sees it: ``id`` and the payload's top-level fields (ok), or
-    ``id``, ``status``, ``error``."""
-    if outcome == "in-doubt":
-        return rec
+    """One exported record as CSV sees it: for ok, ``id`` and the payload's top-level fields."""
     if outcome == "ok":
-        data = rec.get("data")
+        data = rec["data"]
         return {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
-    return {"id": rec["id"], "status": rec.get("s"), "error": rec.get("e")}
+    return rec
 
 
 def _cell(v: Any) -> str:

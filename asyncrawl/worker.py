@@ -1,134 +1,181 @@
-"""[3] The worker loop: take an ID, wait for the governor, make one attempt, decide what follows.
+"""[3] The worker loop: take an ID, wait for the governor, make one attempt, act on the verdict.
 
-A worker never sleeps through a backoff: an ID that must wait for its next try is *parked* in a
-delay heap (``Parking``) whose feeder puts it back on the queue when it is due, and the worker
-takes the next ID at once. What an attempt leads to (``Worker.handle``)::
+What an attempt leads to is a value, ``decide(...) -> Verdict``, which the loop acts on::
 
-    OK     -> settle "ok"
-    FATAL  -> set the job's halt (no new request starts anywhere), the ID stays unsettled
-    SKIP   -> settle "failed" (permanent) in pass 1, "unavailable" in pass 2
-    RETRY  -> park for retry_delay(...) while tries < max_tries, else settle like SKIP (not permanent);
-              a paid (2xx) answer that did not parse: settle once bought more than paid_retries times
+    OK     -> SETTLE "ok"
+    FATAL  -> HALT: the job's stop switch is set (no new request starts anywhere); the ID stays
+              unsettled
+    SKIP   -> SETTLE "failed" (permanent) in pass 1, "unavailable" in pass 2
+    RETRY  -> PARK for retry_delay(...) while tries < max_tries, else SETTLE like SKIP (not
+              permanent); a paid (2xx) answer that did not parse: SETTLE once it was bought
+              more than paid_retries times; an upstream outage while the breaker is open: PARK
+              at the gate, the try not charged
+
+To SETTLE is to queue the ID's outcome record for the writer and note it in the pass's
+``Ledger``; it counts only once the writer reports it durable. The worker talks only to what
+is below it: the queue, the governor, the fetcher, the writer, and the two plain objects its
+owner reads (``Ledger``, ``Stop``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import heapq
-import itertools
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+import enum
+from collections.abc import Awaitable
+from typing import NamedTuple, Protocol
 
 from .config import Config
 from .fetch import Attempt, Fetcher, Outcome
 from .governor import Budget, Governor
+from .idqueue import IdQueue, Item, Parking
+from .records import Record
 from .retry import retry_delay
+from .types import Halt
 
 
-@dataclass(slots=True)
-class Item:
-    """One ID travelling through a pass."""
-
-    id: str
-    tries: int = 0
-    paid: int = 0
-    unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
-    suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
-    sent: bool = False  # sent at least once in this pass (even if the try was not charged)
+class Action(enum.Enum):
+    SETTLE = "settle"
+    PARK = "park"
+    HALT = "halt"
 
 
-class IdQueue(asyncio.Queue[Item]):
-    """The bounded queue between the producer and the workers.
+class Verdict(NamedTuple):
+    """What follows an attempt. ``kind``: the outcome to record (SETTLE); ``delay``: seconds
+    until the next try (PARK); ``charged``: whether the try counts towards ``max_tries``."""
 
-    An ``asyncio.Queue`` whose producer, once it found the queue full, is woken when the queue
-    has drained to half rather than at every ``get``: it then refills it in one go, instead of
-    waking up (a task switch) once per ID. Waiting getters are woken as usual."""
-
-    def _wakeup_next(self, waiters: Any) -> None:  # asyncio.Queue's hook for both kinds
-        if waiters is self._putters and self.qsize() > self.maxsize // 2:  # type: ignore[attr-defined]
-            return
-        super()._wakeup_next(waiters)  # type: ignore[misc]
+    action: Action
+    kind: str | None = None
+    permanent: bool = False
+    delay: float = 0.0
+    charged: bool = True
+    error: str | None = None  # replaces the attempt's error in the record
 
 
-class Parking:
-    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue."""
+def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
+           outage: bool = False) -> Verdict:
+    """The verdict on ``attempt`` for ``item`` (``item.tries`` and ``item.unusable`` do not
+    count this attempt yet). ``outage``: the breaker is open and this was an upstream failure,
+    not a probe."""
+    outcome = attempt.outcome
+    final = "unavailable" if pass_no > 1 else "failed"
+    if outcome is Outcome.OK:
+        return Verdict(Action.SETTLE, "ok")
+    if outcome is Outcome.FATAL:
+        return Verdict(Action.HALT)
+    if outcome is Outcome.SKIP:
+        return Verdict(Action.SETTLE, final, permanent=True)
+    if outage:  # not this ID's fault: no try charged; it waits at the gate
+        return Verdict(Action.PARK, charged=False)
+    tries = item.tries + 1
+    bought = item.unusable + attempt.billable
+    if attempt.billable and bought > config.paid_retries:
+        # a paid answer that does not parse is bought again at most paid_retries times
+        return Verdict(Action.SETTLE, final, error=f"{attempt.error}; bought {bought} times, "
+                       "not again ([retry] paid_retries)")
+    if tries < config.max_tries:
+        return Verdict(Action.PARK, delay=retry_delay(
+            tries, attempt.retry_after, base=config.backoff_base, cap=config.backoff_max,
+            retry_after_max=config.retry_after_max, jitter=config.jitter))
+    return Verdict(Action.SETTLE, final)
 
-    def __init__(self, queue: asyncio.Queue[Item]) -> None:
-        self._queue = queue
-        self._heap: list[tuple[float, int, Item]] = []
-        self._seq = itertools.count()
-        self._wake = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
 
-    def __len__(self) -> int:
-        return len(self._heap)
+class Stop:
+    """The job's stop switch: set once (the first reason wins) by a fatal answer, the budget, a
+    storage error, a signal or a cancellation; no request starts after it."""
 
-    def items(self) -> list[Item]:
-        """The parked IDs (for the crawler's bookkeeping at the end of a pass)."""
-        return [item for _, _, item in self._heap]
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.hurry = asyncio.Event()  # a second stop: cut the grace period short
+        self.halt: Halt | None = None
 
     def __repr__(self) -> str:
-        nxt = self._heap[0][0] - self._loop.time() if self._heap else None
-        return f"<Parking parked={len(self._heap)} next_due_in={nxt}>"
+        return f"<Stop halt={self.halt and self.halt.reason}>"
 
-    def park(self, item: Item, delay: float) -> None:
-        heapq.heappush(self._heap, (self._loop.time() + delay, next(self._seq), item))
-        self._wake.set()
+    def is_set(self) -> bool:
+        return self.event.is_set()
 
-    async def run(self) -> None:
-        while True:
-            if not self._heap:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            due = self._heap[0][0] - self._loop.time()
-            if due > 0:
-                self._wake.clear()
-                # Wake early if an earlier ID gets parked. (asyncio.timeout, not wait_for: on
-                # 3.11 wait_for can swallow a cancellation that races with its timeout.)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(due):
-                        await self._wake.wait()
-                continue
-            _, _, item = heapq.heappop(self._heap)
-            await self._queue.put(item)
+    def set(self, halt: Halt) -> None:
+        if self.halt is None:
+            self.halt = halt
+        self.event.set()
 
 
-class Settle(Protocol):
-    def __call__(self, item: Item, kind: str, attempt: Attempt, *, permanent: bool) -> None: ...
+class Ledger:
+    """One pass's account of its IDs, kept by the producer and the workers and read by the
+    pass's owner: ``done`` is set once the producer has finished and every ID it took in is
+    settled. ``failed`` holds pass 1's failures for pass 2: id -> (permanent, status, error,
+    tries, unusable)."""
+
+    def __init__(self) -> None:
+        self.outstanding = 0  # taken in, not settled
+        self.feeding = True  # the producer may take in more
+        self.unsent = 0  # taken in, never sent, not suspect: what the breaker is there to protect
+        self.failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
+        self.done = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return (f"<Ledger outstanding={self.outstanding} feeding={self.feeding} "
+                f"unsent={self.unsent} failed={len(self.failed)}>")
+
+    def take(self, item: Item) -> None:
+        self.outstanding += 1
+        if not item.suspect:
+            self.unsent += 1
+
+    def fed(self) -> None:
+        """The producer has taken in its last ID."""
+        self.feeding = False
+        if self.outstanding == 0:
+            self.done.set()
+
+    def unsent_left(self) -> bool:
+        """Whether IDs of this pass may still be sent for the first time (the governor asks)."""
+        return self.feeding or self.unsent > 0
+
+    def settled(self, item: Item, rec: Record) -> None:
+        if rec.kind == "failed":
+            self.failed[item.id] = (rec.permanent, rec.status, rec.error, item.tries,
+                                    item.unusable)
+        self.outstanding -= 1
+        if self.outstanding == 0 and not self.feeding:
+            self.done.set()
+
+
+class Sink(Protocol):
+    """Where records go: the writer (``writer.Writer``)."""
+
+    def put(self, record: Record) -> None: ...
+
+    def commit(self, record: Record) -> Awaitable[bool]: ...
+
+
+def outcome_record(item: Item, attempt: Attempt, kind: str, *, permanent: bool, pass_no: int,
+                   keep_data: bool, error: str | None = None) -> Record:
+    """The outcome record of ``item``. The store gets an ok answer's body as received; the
+    parsed payload rides along only for the ``on_result`` hook (``keep_data``)."""
+    body = attempt.body
+    data = attempt.data if keep_data or body is None else None
+    return Record.outcome(kind, item.id, attempt.status, error or attempt.error, permanent, data,
+                          pass_no, item.tries, item.paid, body)
 
 
 class Worker:
     """Shared state of the worker tasks of one pass; ``run`` is one worker's loop."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        queue: asyncio.Queue[Item],
-        parking: Parking,
-        governor: Governor,
-        budget: Budget,
-        fetcher: Fetcher,
-        halted: asyncio.Event,
-        settle: Settle,
-        halt: Callable[[str, Attempt | None], None],
-        intent: Callable[[str], Awaitable[bool]],
-        pass_no: int,
-    ) -> None:
+    def __init__(self, *, config: Config, pass_no: int, queue: IdQueue, parking: Parking,
+                 ledger: Ledger, governor: Governor, budget: Budget, fetcher: Fetcher,
+                 sink: Sink, stop: Stop, keep_data: bool) -> None:
         self.config = config
+        self.pass_no = pass_no
         self.queue = queue
         self.parking = parking
+        self.ledger = ledger
         self.governor = governor
         self.budget = budget
         self.fetcher = fetcher
-        self.halted = halted
-        self.settle = settle
-        self.halt = halt
-        self.intent = intent
-        self.pass_no = pass_no
+        self.sink = sink
+        self.stop = stop
+        self.keep_data = keep_data
         self.in_flight = 0
         self.flying: set[str] = set()  # IDs whose request is out; left here if cut off
         self.held: dict[int, Item] = {}  # items a worker has taken and not yet passed on
@@ -136,48 +183,29 @@ class Worker:
         self.idle.set()
         self.requests = 0
         self.retries = 0
-        self.unsent = 0  # IDs of this pass not tried yet (queued, or held before their first send),
-        # not counting suspect ones: what the breaker is there to protect
 
     def __repr__(self) -> str:
         return (f"<Worker pass={self.pass_no} queued={self.queue.qsize()} "
                 f"parked={len(self.parking)} in_flight={self.in_flight}>")
 
     async def run(self) -> None:
-        gov, budget, fetcher, halted = self.governor, self.budget, self.fetcher, self.halted
+        gov, budget, stop, held = self.governor, self.budget, self.stop, self.held
         limited_budget = budget.limit is not None
-        first_pass = self.pass_no == 1
-        retry_after_max = self.config.retry_after_max
-        held, flying = self.held, self.flying
-        while not halted.is_set():
+        while not stop.is_set():
             item = await self.queue.get()
             held[id(item)] = item
             ticket = await gov.acquire()
             if limited_budget and not await budget.reserve():
-                self.halt("budget", None)
+                stop.set(self._budget_halt())
                 return
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.
-            if halted.is_set() or not await self.intent(item.id) or halted.is_set():
+            if stop.is_set() or not await self.sink.commit(Record.sent(item.id)) or stop.is_set():
                 budget.release(False)  # no await between the last check and the send
                 return
-            self.in_flight += 1
-            if not item.sent and not item.suspect:
-                item.sent = True
-                self.unsent -= 1
-            flying.add(item.id)
-            self.idle.clear()
-            self.requests += 1
-            attempt = await fetcher.attempt(item.id)  # never raises but CancelledError
-            del held[id(item)]  # no await from here on: it is parked or handled below
-            flying.discard(item.id)
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self.idle.set()
+            attempt = await self._send(item)
+            del held[id(item)]  # no await from here on: it is parked or settled below
             budget.release(attempt.billable)
-            first_try = item.tries == 0
-            item.tries += 1
-            item.paid += attempt.billable
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
@@ -185,49 +213,64 @@ class Worker:
             down = retry and not limited and not attempt.billable
             retry_after = attempt.retry_after
             if retry_after is not None:
-                retry_after = min(retry_after, retry_after_max)
+                retry_after = min(retry_after, self.config.retry_after_max)
             # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
             # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
             gov.on_response(ticket, item.id, limited=limited, failed=down,
-                            retry_after=retry_after,
-                            evidence=first_try and first_pass and not item.suspect)
-            if down and gov.breaker_open and not ticket.probe:
-                # An upstream outage, not this ID's fault: no try charged; it waits at the gate.
-                # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
-                item.tries -= 1
-                self.parking.park(item, 0.0)
-                continue
-            self.handle(item, attempt)
+                            retry_after=retry_after, evidence=item.tries == 0
+                            and self.pass_no == 1 and not item.suspect)
+            # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
+            outage = down and gov.breaker_open and not ticket.probe
+            self.act(item, attempt, decide(item, attempt, self.config, self.pass_no,
+                                           outage=outage))
             if budget.exhausted:
-                self.halt("budget", None)
+                stop.set(self._budget_halt())
+
+    async def _send(self, item: Item) -> Attempt:
+        self.in_flight += 1
+        if not item.sent and not item.suspect:
+            item.sent = True
+            self.ledger.unsent -= 1
+        self.flying.add(item.id)
+        self.idle.clear()
+        self.requests += 1
+        attempt = await self.fetcher.attempt(item.id)  # never raises but CancelledError
+        self.flying.discard(item.id)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+        return attempt
+
+    def act(self, item: Item, attempt: Attempt, verdict: Verdict) -> None:
+        """Carry out ``verdict`` (no await: nothing else runs in between)."""
+        action = verdict.action
+        item.paid += attempt.billable
+        if action is Action.HALT:
+            self.stop.set(Halt("fatal", attempt.status, self.config.redact(
+                f"fatal response {attempt.error or attempt.status}")))
+            if attempt.billable:  # unsettled but billed: its bill is recorded at the pass's end
+                self.held[id(item)] = item
+            return
+        if not verdict.charged:
+            self.parking.park(item, verdict.delay)
+            return
+        item.tries += 1
+        if attempt.outcome is Outcome.RETRY:
+            item.unusable += attempt.billable
+        if action is Action.PARK:
+            self.retries += 1
+            self.parking.park(item, verdict.delay)
+            return
+        rec = outcome_record(item, attempt, verdict.kind, permanent=verdict.permanent,  # type: ignore[arg-type]
+                             pass_no=self.pass_no, keep_data=self.keep_data, error=verdict.error)
+        self.sink.put(rec)
+        self.ledger.settled(item, rec)
+
+    def _budget_halt(self) -> Halt:
+        return Halt("budget", None, f"request budget of {self.budget.limit} billable calls reached")
 
     def unsettled(self) -> list[Item]:
         """Items this pass still holds (parked, queued, in a worker's hand): after its end,
         the ones that were answered 2xx without being settled need their bill recorded."""
-        queued = list(self.queue._queue)  # type: ignore[attr-defined]  # the pass is over
-        return [*self.parking.items(), *queued, *self.held.values()]
+        return [*self.parking.items(), *self.queue.items(), *self.held.values()]
 
-    def handle(self, item: Item, attempt: Attempt) -> None:
-        outcome = attempt.outcome
-        final = "unavailable" if self.pass_no > 1 else "failed"
-        if outcome is Outcome.OK:
-            self.settle(item, "ok", attempt, permanent=False)
-        elif outcome is Outcome.FATAL:
-            self.halt("fatal", attempt)
-        elif outcome is Outcome.SKIP:
-            self.settle(item, final, attempt, permanent=True)
-        else:  # RETRY
-            cfg = self.config
-            item.unusable += attempt.billable
-            if attempt.billable and item.unusable > cfg.paid_retries:
-                # a paid answer that does not parse is bought again at most paid_retries times
-                self.settle(item, final, attempt._replace(error=f"{attempt.error}; bought "
-                            f"{item.unusable} times, not again ([retry] paid_retries)"),
-                            permanent=False)
-            elif item.tries < cfg.max_tries:
-                self.retries += 1
-                self.parking.park(item, retry_delay(
-                    item.tries, attempt.retry_after, base=cfg.backoff_base, cap=cfg.backoff_max,
-                    retry_after_max=cfg.retry_after_max, jitter=cfg.jitter))
-            else:
-                self.settle(item, final, attempt, permanent=False)

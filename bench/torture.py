@@ -78,8 +78,9 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from asyncrawl.journal import HEADER, JOURNAL, OUTCOME_KINDS, Writer  # noqa: E402
+from asyncrawl.journal import HEADER, JOURNAL, OUTCOME_KINDS  # noqa: E402
 from asyncrawl.testing import LogEntry, MockProcess, demo_faults, payload_for  # noqa: E402
+from asyncrawl.writer import Writer  # noqa: E402
 
 KEY = "torture-key"
 ENV = {"ASYNCRAWL_TORTURE_KEY": KEY}

@@ -30,8 +30,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncrawl.journal import JOURNAL, Writer, load_state, scan
+from asyncrawl.journal import JOURNAL, load_state, scan
 from asyncrawl.testing import LogEntry, demo_faults, flaky_faults, payload_for, read_log
+from asyncrawl.writer import Writer
 
 from .conftest import KEY, cli, write_config, write_ids
 
@@ -349,8 +350,8 @@ def test_a_second_sigint_cuts_the_grace_period_short(tmp_path: Path, mock_proces
     try:
         wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) == 4, proc)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        assert proc.poll() is None  # waiting for the 4 requests in flight (10 s each)
+        with pytest.raises(subprocess.TimeoutExpired):  # waiting for the 4 requests in flight
+            proc.wait(0.5)  # (10 s each)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(30)
@@ -508,8 +509,7 @@ def test_config_and_input_errors_exit_2_and_send_nothing(
     if make_ids is None and case != "missing ids file":
         assert str(cfg) in r.stderr  # config errors name the file too
     assert "Traceback" not in r.stderr
-    time.sleep(0.1)
-    assert read_log(mock.log_path) == []  # nothing was sent
+    assert mock.settled_log() == []  # nothing was sent
 
 
 # -- 7. budget, dry run, no second pass, stdin -------------------------------------------------
@@ -551,8 +551,7 @@ def test_dry_run_without_price_sends_nothing(tmp_path: Path, mock_process: Any) 
     r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
     assert r.returncode == 0, r.stderr
     assert "calls left: 3" in r.stdout and "price_per_call" in r.stdout
-    time.sleep(0.1)
-    assert read_log(mock.log_path) == []
+    assert mock.settled_log() == []
 
 
 def test_no_second_pass_exits_6_and_ids_from_stdin(tmp_path: Path, mock_process: Any) -> None:

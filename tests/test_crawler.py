@@ -203,7 +203,9 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
         cfg = fast_config(api, state, rate=400.0, concurrency=4)
         crawler = Crawler(cfg)
         task = asyncio.create_task(crawler.run(ids))
+        deadline = asyncio.get_running_loop().time() + 30
         while crawler.ok < 20:
+            assert asyncio.get_running_loop().time() < deadline and not task.done()
             await asyncio.sleep(0.02)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -222,7 +224,7 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
 
 
 async def test_id_queue_wakes_the_producer_at_half_not_at_every_get() -> None:
-    from asyncrawl.worker import IdQueue, Item
+    from asyncrawl.idqueue import IdQueue, Item
 
     q = IdQueue(maxsize=64)
     waits = 0

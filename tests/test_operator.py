@@ -183,7 +183,10 @@ def test_error_storm_is_aggregated_and_the_halt_is_the_last_line(
     assert all(re.fullmatch(r"HTTP 404 × [\d,]+ in the last [\d.]+ s; [\d,]+ recorded failed "
                             r"\(e\.g\. ID 'e\d+'\)", e["msg"]) for e in lines_404 if e["count"])
     assert sum(e["count"] for e in by_reason["HTTP 402"]) == answered[402]
-    assert any(e["event"] == "progress" and e["progress"]["ok"] >= 0 for e in events)
+    progress = [e["progress"] for e in events if e["event"] == "progress"]
+    assert progress and all(p["total"] == len(ids) and p["pass"] == 1 and 0 <= p["ok"] <= 40
+                            and p["done"] <= len(ids) for p in progress)
+    assert [p["done"] for p in progress] == sorted(p["done"] for p in progress)  # it only grows
     # the end: the summary, then why it stopped, as the very last line
     summary, halt = events[-2], events[-1]
     assert summary["event"] == "summary" and summary["ok"] == 40 and summary["exit_code"] == 3

@@ -24,8 +24,9 @@ import pytest
 
 from asyncrawl import Crawler
 from asyncrawl.crawler import Result
-from asyncrawl.journal import HEADER, JOURNAL, Journal, Record, Writer, good_length, load_state
+from asyncrawl.journal import HEADER, JOURNAL, Journal, Record, good_length, load_state
 from asyncrawl.testing import MockAPI, payload_for, read_log
+from asyncrawl.writer import Writer
 
 from .conftest import KEY, ROOT, cli, fast_config, write_config, write_ids
 from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, starts, status_json

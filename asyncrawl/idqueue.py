@@ -1,0 +1,152 @@
+"""[2] What waits to be tried: the bounded ID queue, and the parking heap of IDs waiting for
+their next try.
+
+The producer and the parking feeder put ``Item``\\ s on the ``IdQueue``; the workers take them.
+A worker never sleeps through a backoff: an ID that must wait is *parked* (``Parking``), and the
+feeder puts it back on the queue when it is due, while the worker takes the next ID at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Item:
+    """One ID travelling through a pass."""
+
+    id: str
+    tries: int = 0
+    paid: int = 0
+    unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
+    suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
+    sent: bool = False  # sent at least once in this pass (even if the try was not charged)
+
+
+class IdQueue:
+    """The FIFO between the producer (bounded) and the parking feeder (not) and the workers.
+
+    ``put`` waits while the queue holds ``maxsize`` items: the producer reads the IDs list no
+    faster than the workers take them. A putter that found the queue full is woken once the
+    queue has drained to half, not at every ``get``: it then refills it in one go instead of
+    waking up (a task switch) once per ID. ``push`` never waits: an ID due for its retry is
+    already in memory, and must not queue up behind a producer that refills the queue first.
+    A getter is woken per item. Only the event loop's thread may use it."""
+
+    def __init__(self, maxsize: int) -> None:
+        if maxsize < 2:
+            raise ValueError("maxsize must be at least 2")
+        self.maxsize = maxsize
+        self._low = maxsize // 2
+        self._items: deque[Item] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
+        self._putters: list[asyncio.Future[None]] = []
+
+    def __repr__(self) -> str:
+        return (f"<IdQueue size={len(self._items)}/{self.maxsize} getters={len(self._getters)} "
+                f"putters={len(self._putters)}>")
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def full(self) -> bool:
+        return len(self._items) >= self.maxsize
+
+    def items(self) -> list[Item]:
+        """The queued items, in order (for the end-of-pass bookkeeping)."""
+        return list(self._items)
+
+    async def put(self, item: Item) -> None:
+        while len(self._items) >= self.maxsize:
+            await self._wait(self._putters)
+        self._items.append(item)
+        self._wake_getter()
+
+    def push(self, item: Item) -> None:
+        """Add ``item`` now, past the bound (a due retry)."""
+        self._items.append(item)
+        self._wake_getter()
+
+    async def get(self) -> Item:
+        while not self._items:
+            try:
+                await self._wait(self._getters)
+            except asyncio.CancelledError:
+                self._wake_getter()  # a wake-up this getter can no longer use goes on
+                raise
+        item = self._items.popleft()
+        if self._putters and len(self._items) <= self._low:
+            putters, self._putters = self._putters, []
+            for fut in putters:
+                if not fut.done():
+                    fut.set_result(None)
+        return item
+
+    @staticmethod
+    async def _wait(waiters: deque[asyncio.Future[None]] | list[asyncio.Future[None]]) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if not fut.done():
+                fut.cancel()
+            with contextlib.suppress(ValueError):
+                waiters.remove(fut)
+
+    def _wake_getter(self) -> None:
+        if not self._items:
+            return
+        for fut in self._getters:
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+
+class Parking:
+    """A delay heap of IDs waiting for their next try; ``run`` feeds due ones to the queue."""
+
+    def __init__(self, queue: IdQueue) -> None:
+        self._queue = queue
+        self._heap: list[tuple[float, int, Item]] = []
+        self._seq = itertools.count()
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def items(self) -> list[Item]:
+        """The parked IDs (for the end-of-pass bookkeeping)."""
+        return [item for _, _, item in self._heap]
+
+    def __repr__(self) -> str:
+        nxt = self._heap[0][0] - self._loop.time() if self._heap else None
+        return f"<Parking parked={len(self._heap)} next_due_in={nxt}>"
+
+    def park(self, item: Item, delay: float) -> None:
+        heapq.heappush(self._heap, (self._loop.time() + delay, next(self._seq), item))
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            if not self._heap:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            due = self._heap[0][0] - self._loop.time()
+            if due > 0:
+                self._wake.clear()
+                # Wake early if an earlier ID gets parked. (asyncio.timeout, not wait_for: on
+                # 3.11 wait_for can swallow a cancellation that races with its timeout.)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(due):
+                        await self._wake.wait()
+                continue
+            _, _, item = heapq.heappop(self._heap)
+            self._queue.push(item)

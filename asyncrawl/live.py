@@ -1,0 +1,149 @@
+"""A run's progress as numbers: its counters, ``Progress`` snapshots (request rate over the
+last seconds, ETA, pass 2 counted on its own), and the ticker that hands them out every second
+(``on_progress``, and ``live.json`` in the state directory for ``asyncrawl status``).
+
+Everything here reads counters; nothing decides. The displays (``progress.py``) format what
+this module computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+
+from .types import Progress
+
+log = logging.getLogger("asyncrawl")
+
+LIVE = "live.json"
+LIVE_EVERY = 1.0  # seconds between two live.json snapshots
+
+
+@dataclass(slots=True)
+class Tally:
+    """A run's counters. ``ok``/``failed``/``unavailable``/``billable`` change only when the
+    writer reports records durable; the others as things happen."""
+
+    ok: int = 0
+    failed: int = 0
+    unavailable: int = 0
+    skipped: int = 0  # settled by an earlier run
+    duplicates: int = 0
+    retries: int = 0  # of passes that ended (the running pass's are the workers')
+    requests: int = 0  # likewise
+    billable: int = 0
+
+    @property
+    def settled(self) -> int:
+        return self.ok + self.failed + self.unavailable
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """What the running pass and the governor show at one moment."""
+
+    pass_no: int
+    requests: int  # this pass's, so far
+    retries: int
+    in_flight: int
+    parked: int
+    paused_for: float
+    effective_rate: float
+    breaker_open: bool
+    cooling_down: bool
+
+
+class Meter:
+    """Makes ``Progress`` snapshots of one run. ``total``: the IDs of the list, if known (for
+    the ETA); ``pass2``: set when pass 2 begins, (IDs done before it, IDs in it)."""
+
+    def __init__(self, tally: Tally, *, total: int | None, configured_rate: float) -> None:
+        self.tally = tally
+        self.total = total
+        self.configured_rate = configured_rate
+        self.started = time.monotonic()
+        self.pass2 = (0, 0)
+        self._samples: list[tuple[float, int]] = []
+
+    def __repr__(self) -> str:
+        return f"<Meter total={self.total} pass2={self.pass2} {self.tally!r}>"
+
+    def _rate(self, now: float, requests: int) -> float:
+        """Requests per second over the last ~10 s."""
+        samples = self._samples
+        samples.append((now, requests))
+        while len(samples) > 2 and now - samples[0][0] > 10:
+            samples.pop(0)
+        t0, r0 = samples[0]
+        return (requests - r0) / (now - t0) if now - t0 > 0.2 else 0.0
+
+    def _eta(self, now: float, done: int) -> float | None:
+        """Seconds left in pass 1 at the rate IDs were settled so far."""
+        t = self.tally
+        elapsed = now - self.started
+        if self.total is None or not t.settled or elapsed <= 1:
+            return None
+        left = max(0, self.total - done - t.duplicates)
+        return left / (t.settled / elapsed)
+
+    def progress(self, g: Gauges) -> Progress:
+        now = time.monotonic()
+        t = self.tally
+        requests = t.requests + g.requests
+        done = t.settled + t.skipped
+        eta = self._eta(now, done) if g.pass_no == 1 else None
+        total = self.total
+        if g.pass_no == 2:  # pass 2 counts its own IDs: "[pass 2] 12/90", not 5,254/5,100
+            done, total = done - self.pass2[0], self.pass2[1]
+        return Progress(
+            pass_no=g.pass_no, total=total, done=done, ok=t.ok, failed=t.failed,
+            unavailable=t.unavailable, skipped=t.skipped, retries=t.retries + g.retries,
+            requests=requests, in_flight=g.in_flight, parked=g.parked,
+            rate=self._rate(now, requests), paused_for=g.paused_for, elapsed=now - self.started,
+            eta=eta, cooling_down=g.cooling_down, effective_rate=g.effective_rate,
+            configured_rate=self.configured_rate, breaker_open=g.breaker_open)
+
+
+async def tick(progress: Callable[[], Progress], state_dir: Path | None,
+               on_progress: Callable[[Progress], None] | None, every: float) -> None:
+    """Until cancelled: every second the live snapshot for ``asyncrawl status``; and
+    ``on_progress`` every ``every`` seconds."""
+    step = min(every, LIVE_EVERY)
+    last_hook = time.monotonic()
+    while True:
+        await asyncio.sleep(step)
+        p = progress()
+        if state_dir is not None:
+            await asyncio.to_thread(write_live, state_dir, p)
+        if on_progress is not None and time.monotonic() - last_hook >= every * 0.99:
+            last_hook = time.monotonic()
+            try:
+                on_progress(p)
+            except Exception:
+                log.exception("on_progress hook failed")
+
+
+def write_live(state_dir: Path, p: Progress) -> None:
+    """Replace ``live.json`` (not durable: a view for ``status``, never read back by a run)."""
+    tmp = state_dir / (LIVE + ".tmp")
+    try:
+        tmp.write_bytes(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time()}))
+        os.replace(tmp, state_dir / LIVE)
+    except OSError:
+        pass  # a view only; the store is what matters
+
+
+def read_live(state_dir: Path) -> dict[str, object] | None:
+    """The last ``live.json`` of a running job, if there is one."""
+    try:
+        live = orjson.loads((state_dir / LIVE).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return live if isinstance(live, dict) else None

@@ -1,0 +1,207 @@
+"""The record schema: every fact a run writes to its state, as one type, and what it means.
+
+A run writes records; a store keeps them and answers from them. Kinds:
+
+=============  ==================================================================================
+``run``        a run started (``extra``: version, pid, the job's identity)
+``sent``       a request for the ID is about to leave: durable *before* it does (exact in-doubt)
+``ok``         the ID's result (``raw``: the body as received, or ``data``)       } outcome
+``failed``     the ID failed in this pass (``permanent``: a 4xx, not a give-up)   } records:
+``unavailable`` the ID failed again in pass 2 (confirmed)                         } an ID's state
+``billed``     2xx answers of an ID left unsettled at the end of a pass (``paid``)
+``halt``       why a run stopped early (``status``, ``error``; ``extra``: reason)
+``end``        a run ended (``extra``: the IDs whose request was cut off in flight)
+=============  ==================================================================================
+
+An ID's *state* is that of its latest outcome record (``failed`` with ``permanent`` is
+``perm``), except that ``ok`` is final. ``ok`` and ``unavailable`` are *settled*: a rerun skips
+them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one journal line).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import orjson
+
+from .types import Halt, Result
+
+OUTCOME_KINDS = ("ok", "failed", "unavailable")
+SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
+STATES = ("ok", "failed", "perm", "unavailable")
+
+
+def state_of(kind: str, permanent: bool) -> str:
+    """The state an outcome record gives its ID."""
+    return "perm" if permanent and kind == "failed" else kind
+
+
+def next_state(was: str | None, kind: str, permanent: bool) -> str:
+    """An ID's state after an outcome record, given its state before (``ok`` is final)."""
+    return "ok" if was == "ok" else state_of(kind, permanent)
+
+
+class _RecordFields(NamedTuple):
+    kind: str
+    id: str | None
+    status: int | None
+    error: str | None
+    permanent: bool
+    data: Any
+    pass_no: int
+    tries: int
+    paid: int
+    ts: float
+    extra: dict[str, Any] | None
+    raw: bytes | None
+
+
+_KEYS = frozenset({"k", "id", "s", "e", "perm", "p", "n", "paid", "ts", "data"})
+
+
+class Record(_RecordFields):
+    """One record (immutable; a tuple, because a run makes two per request).
+
+    The payload of an ``ok`` record is ``raw``, the answer's body as received (written as is:
+    it parsed as JSON and has no line break), or else ``data``, the parsed payload, which is
+    serialised again. ``data`` may also ride along for the ``on_result`` hook."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: str, id: str | None = None, *, status: int | None = None,
+                error: str | None = None, permanent: bool = False, data: Any = None,
+                pass_no: int = 1, tries: int = 0, paid: int = 0, ts: float | None = None,
+                extra: dict[str, Any] | None = None, raw: bytes | None = None) -> Record:
+        return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
+                                   paid, time.time() if ts is None else ts, extra, raw))
+
+    @classmethod
+    def outcome(cls, kind: str, id: str, status: int | None, error: str | None, permanent: bool,
+                data: Any, pass_no: int, tries: int, paid: int, raw: bytes | None) -> Record:
+        """An outcome record, made without keyword handling (two records per request)."""
+        return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
+                                   paid, time.time(), None, raw))
+
+    @classmethod
+    def sent(cls, id: str) -> Record:
+        """The record that a request for ``id`` is about to leave."""
+        return cls.outcome("sent", id, None, None, False, None, 1, 0, 0, None)
+
+    @property
+    def state(self) -> str:
+        """The state this outcome record gives its ID (see ``next_state`` for ``ok`` being final)."""
+        return state_of(self.kind, self.permanent)
+
+    @property
+    def payload(self) -> Any:
+        """An ``ok`` record's payload: ``data``, else the parsed ``raw`` body."""
+        if self.data is None and self.raw is not None:
+            return orjson.loads(self.raw)
+        return self.data
+
+    def result(self) -> Result:
+        """The ``Result`` an outcome record stands for (what ``on_result`` receives)."""
+        return Result(self.id or "", self.kind, self.status, self.data, self.error,
+                      self.permanent, self.pass_no, self.tries)
+
+    def halt(self) -> Halt:
+        """The ``Halt`` a ``halt`` record stands for."""
+        reason = (self.extra or {}).get("reason") or "fatal"
+        return Halt(reason, self.status, self.error or "")
+
+    def encode(self) -> bytes:
+        """The record's JSON form, one line (the journal's line format)."""
+        kind = self.kind
+        d: dict[str, Any] = {"k": kind}
+        if self.id is not None:
+            d["id"] = self.id
+        if self.status is not None:
+            d["s"] = self.status
+        if kind in OUTCOME_KINDS:
+            d["p"] = self.pass_no
+            d["n"] = self.tries
+            d["paid"] = self.paid
+        elif kind == "billed":
+            d["paid"] = self.paid
+        if self.error is not None:
+            d["e"] = self.error
+        if self.permanent:
+            d["perm"] = True
+        d["ts"] = round(self.ts, 3)
+        if self.extra:
+            d.update(self.extra)
+        if kind == "ok":
+            raw = self.raw
+            if raw is not None and b"\n" not in raw:  # valid JSON (it parsed): splice it in
+                return orjson.dumps(d)[:-1] + b',"data":' + raw + b"}\n"
+            d["data"] = self.data if raw is None else orjson.loads(raw)
+        return orjson.dumps(d) + b"\n"
+
+    @classmethod
+    def decode(cls, obj: dict[str, Any]) -> Record:
+        """The record of a decoded JSON line (``encode``'s inverse; ``raw`` is not restored:
+        the payload is ``data``)."""
+        extra = {k: v for k, v in obj.items() if k not in _KEYS} or None
+        return tuple.__new__(cls, (obj["k"], obj.get("id"), obj.get("s"), obj.get("e"),
+                                   bool(obj.get("perm")), obj.get("data"), obj.get("p", 1),
+                                   obj.get("n", 0), obj.get("paid", 0), obj.get("ts", 0.0),
+                                   extra, None))
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """IDs by state: ``failed`` includes permanent failures; ``pending`` (no outcome yet) is
+    only counted where the IDs asked about are known (a run's own list)."""
+
+    ok: int = 0
+    failed: int = 0
+    unavailable: int = 0
+    pending: int = 0
+
+    @classmethod
+    def of(cls, states: Iterable[str | None]) -> Counts:
+        ok = failed = unavailable = pending = 0
+        for st in states:
+            if st == "ok":
+                ok += 1
+            elif st == "unavailable":
+                unavailable += 1
+            elif st == "failed" or st == "perm":
+                failed += 1
+            else:
+                pending += 1
+        return cls(ok, failed, unavailable, pending)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"ok": self.ok, "failed": self.failed, "unavailable": self.unavailable}
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What a store holds, in figures (``asyncrawl status``): every field a store can answer
+    from its indexes, without reading payloads."""
+
+    counts: Counts
+    billable_by_day: dict[str, int]  # UTC date -> billable (2xx) calls recorded that day
+    sent: int  # requests sent (``sent`` records)
+    in_doubt: int  # sent when a run was cut off, no result kept, not re-fetched since
+    billed_twice: int  # of the in-doubt IDs, those fetched ok since: possibly billed twice
+    in_flight: int  # sent, no outcome yet, in a run that is still going
+    runs: int
+    halt: Halt | None  # why the last run halted, if it did
+    job: dict[str, Any] | None  # the job's identity (method, url, params) per its last run
+    running: int | None  # pid of the run holding the state now (0: unknown pid), or None
+
+    @property
+    def billable(self) -> int:
+        return sum(self.billable_by_day.values())
+
+
+def utc_day(ts: float) -> str:
+    """The UTC date of a timestamp, as the ledger keys it."""
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+

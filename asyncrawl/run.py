@@ -1,0 +1,406 @@
+"""One run of a job: its two passes, the tasks of each, and its counters. ``Crawler.run`` makes a
+fresh ``Run`` every time and calls ``execute``.
+
+::
+
+    source ─► producer ─► IdQueue ─► N × Worker.run ─► Writer ─► Store (durable)
+                             ▲             │
+                             └─ Parking ◄──┘ (IDs waiting for their next try)
+
+``execute`` starts the writer, then runs pass 1 and, after the cool-down, pass 2 over what
+failed. Each pass starts its producer, parking feeder and workers and ends by ``_shutdown``,
+which cancels and awaits every one of them: no task outlives its pass, and the writer and the
+progress ticker do not outlive the run.
+
+A *halt* (fatal response, budget, storage error, ``request_stop`` from a signal, a cancelled
+``run()``, an API that cannot be reached at all) sets the ``Stop`` switch: no request starts
+after that, requests in flight get ``grace`` seconds (a second stop cuts it short), and what
+they bring back is recorded. Counts only change when the writer reports a record durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal as signal_mod
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from ._version import __version__
+from .alerts import send_alerts
+from .config import Config
+from .errors import JobMismatch, StorageError
+from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request
+from .governor import Breaker, Budget, Governor
+from .idqueue import IdQueue, Item, Parking
+from .live import Gauges, Meter, Tally, tick
+from .records import SETTLED, Counts, Record
+from .source import CHUNK_IDS
+from .store import Store
+from .types import Halt, Progress, Result, Summary
+from .worker import Ledger, Stop, Worker, outcome_record
+from .writer import Writer
+
+log = logging.getLogger("asyncrawl")
+
+INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """The application's hooks, as ``Crawler`` was given them (see its docstring)."""
+
+    request_for: Callable[[str], Request] | None = None
+    classify: Classifier | None = None
+    on_result: Callable[[Result], None] | None = None
+    on_progress: Callable[[Progress], None] | None = None
+    on_halt: Callable[[Halt, Summary], None] | None = None
+    on_attempt: Callable[[str, int | None, str | None], None] | None = None
+    progress_every: float = 1.0
+
+
+class Run:
+    """One run's passes, tasks and counters."""
+
+    def __init__(self, config: Config, hooks: Hooks, *, total: int | None) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.stop = Stop()
+        self.tally = Tally()
+        self.meter = Meter(self.tally, total=total, configured_rate=config.rate)
+        self.pass_no = 1
+        self.cooling = False
+        self.governor: Governor | None = None
+        self.cut_off: set[str] = set()  # requests cancelled in flight: possibly billed
+        # IDs that come into a pass with a history: failed in an earlier run (their failures say
+        # nothing about the upstream now), or already sold unusable answers (pass 2)
+        self.history: dict[str, Item] = {}
+        self._workers: Worker | None = None
+        self._answered = False
+        self._incurable = collections.Counter[object]()
+
+    def __repr__(self) -> str:
+        halt = self.stop.halt
+        return (f"<Run pass={self.pass_no} {self.tally!r} halt={halt and halt.reason} "
+                f"{self._workers!r} {self.governor!r}>")
+
+    # -- control -------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str = "signal", signum: int | None = None) -> None:
+        """Stop like SIGINT: no new requests, in-flight ones get the grace period. A second
+        call cuts the grace period short."""
+        if self.stop.is_set():
+            self.stop.hurry.set()
+            return
+        name = signal_mod.Signals(signum).name if signum else reason
+        self.stop.set(Halt(reason, None, f"stopped by {name}", signum))
+
+    def _cancelled(self) -> None:
+        if not self.stop.is_set():
+            self.stop.set(Halt("cancelled", None, "the task running Crawler.run() was cancelled"))
+
+    def progress(self) -> Progress:
+        """A snapshot of the run's progress."""
+        w, g = self._workers, self.governor
+        return self.meter.progress(Gauges(
+            pass_no=self.pass_no, requests=w.requests if w else 0, retries=w.retries if w else 0,
+            in_flight=w.in_flight if w else 0, parked=len(w.parking) if w else 0,
+            paused_for=g.paused_for if g else 0.0,
+            effective_rate=g.effective_rate if g else self.config.rate,
+            breaker_open=g.breaker_open if g else False, cooling_down=self.cooling))
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def execute(self, store: Store, session: aiohttp.ClientSession,
+                      source: AsyncIterator[list[str]]) -> Summary:
+        """Fetch every unsettled ID of ``source`` into ``store``."""
+        cfg = self.config
+        writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
+        writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
+        state_dir = Path(cfg.state_dir)  # live.json, next to the state
+        ticker = asyncio.create_task(
+            tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every),
+            name="asyncrawl-progress")
+        writer.put(Record("run", extra={"version": __version__, "pid": os.getpid(),
+                                        "job": cfg.job_identity()}))
+        seen: set[str] = set()
+        error: BaseException | None = None
+        try:
+            await self._passes(self._first_pass_ids(source, store, seen), session, writer)
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            await self._close(writer, writer_task, ticker, error)
+        summary = await self._summary(store, seen)
+        halt = self.stop.halt
+        if halt is not None and halt.reason in ("fatal", "budget", "storage"):
+            await send_alerts(cfg, halt, summary, session)
+            if self.hooks.on_halt is not None:
+                self.hooks.on_halt(halt, summary)
+        return summary
+
+    async def _passes(self, first: AsyncIterator[list[str]], session: aiohttp.ClientSession,
+                      writer: Writer) -> None:
+        cfg, hooks = self.config, self.hooks
+        self.governor = Governor(
+            rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
+            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None)
+        budget = Budget(cfg.request_budget)
+        fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
+                          observe=self._observe)
+        failed = (await self._pass(1, first, fetcher, budget, writer)).failed
+        if not cfg.second_pass or not failed or self.stop.is_set():
+            return
+        self.cooling = True
+        await _wait_first(self.stop.event, timeout=cfg.cooldown)
+        self.cooling = False
+        if not self.stop.is_set():
+            self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
+            await self._pass(2, self._second_pass_ids(failed, writer), fetcher, budget, writer)
+
+    async def _close(self, writer: Writer, writer_task: asyncio.Task[None],
+                     ticker: asyncio.Task[None], error: BaseException | None) -> None:
+        """The run's last records (why it halted, what was cut off), then the writer and the
+        ticker stop."""
+        halt = self.stop.halt
+        if halt is not None and halt.reason != "storage":
+            writer.put(Record("halt", status=halt.status, error=halt.message,
+                              extra={"reason": halt.reason}))
+        end: dict[str, Any] = {"in_doubt": sorted(self.cut_off)}
+        if error is not None:
+            end["error"] = type(error).__name__
+        writer.put(Record("end", extra=end))
+        writer.close()
+        try:
+            await _finish(writer_task)
+        finally:
+            await writer.join()
+            ticker.cancel()
+            await _finish(ticker)
+
+    async def _first_pass_ids(self, source: AsyncIterator[list[str]], store: Store,
+                              seen: set[str]) -> AsyncIterator[list[str]]:
+        """The source's IDs minus duplicates and what earlier runs settled."""
+        tally, history = self.tally, self.history
+        async for chunk in source:
+            fresh = []
+            for item in chunk:
+                if item in seen:
+                    tally.duplicates += 1
+                    continue
+                seen.add(item)
+                fresh.append(item)
+            states = await store.lookup(fresh)
+            todo = []
+            for item in fresh:
+                was = states.get(item)
+                if was in SETTLED:
+                    tally.skipped += 1
+                    continue
+                if was is not None:  # failed in an earlier run
+                    history[item] = Item(item, suspect=True)
+                todo.append(item)
+            if todo:
+                yield todo
+
+    async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
+                               writer: Writer) -> AsyncIterator[list[str]]:
+        """Pass 1's failures, minus those not to try again: settled unavailable at once."""
+        cfg = self.config
+        chunk: list[str] = []
+        for item, (permanent, status, error, tries, unusable) in failed.items():
+            bought = unusable > cfg.paid_retries  # never buy an unusable answer again
+            if bought or (permanent and not cfg.recheck_permanent):
+                writer.put(outcome_record(Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
+                                          "unavailable", permanent=permanent, pass_no=2,
+                                          keep_data=False))
+                continue
+            if unusable:
+                self.history[item] = Item(item, unusable=unusable)
+            chunk.append(item)
+            if len(chunk) >= CHUNK_IDS:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    async def _pass(self, pass_no: int, ids: AsyncIterator[list[str]], fetcher: Fetcher,
+                    budget: Budget, writer: Writer) -> Ledger:
+        cfg, gov = self.config, self.governor
+        assert gov is not None
+        self.pass_no = pass_no
+        queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
+        parking = Parking(queue)
+        ledger = Ledger()
+        workers = self._workers = Worker(
+            config=cfg, pass_no=pass_no, queue=queue, parking=parking, ledger=ledger,
+            governor=gov, budget=budget, fetcher=fetcher, sink=writer, stop=self.stop,
+            keep_data=self.hooks.on_result is not None)
+        gov.unsent = ledger.unsent_left
+        died = asyncio.Event()  # a task died: wake the pass so that the error surfaces
+
+        def done(task: asyncio.Task[None]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                died.set()
+
+        tasks = [asyncio.create_task(self._produce(ids, queue, ledger),
+                                     name=f"asyncrawl-producer-{pass_no}"),
+                 asyncio.create_task(parking.run(), name=f"asyncrawl-parking-{pass_no}"),
+                 *(asyncio.create_task(workers.run(), name=f"asyncrawl-worker-{pass_no}-{i}")
+                   for i in range(cfg.concurrency))]
+        for t in tasks:
+            t.add_done_callback(done)
+        try:
+            await _wait_first(ledger.done, self.stop.event, died, timeout=None)
+        except asyncio.CancelledError:
+            self._cancelled()
+            raise
+        finally:
+            await self._shutdown(tasks, workers)
+            self.tally.requests += workers.requests
+            self.tally.retries += workers.retries
+            self._workers = None
+            self.cut_off |= workers.flying
+            for item in workers.unsettled():
+                if item.paid:  # billed answers (e.g. a 2xx that did not parse) of an unsettled ID
+                    writer.put(Record("billed", item.id, paid=item.paid))
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        return ledger
+
+    async def _produce(self, ids: AsyncIterator[list[str]], queue: IdQueue, ledger: Ledger) -> None:
+        stop, history = self.stop, self.history
+        async for chunk in ids:
+            for item in chunk:
+                if stop.is_set():
+                    break
+                it = history.pop(item) if item in history else Item(item)
+                ledger.take(it)
+                await queue.put(it)
+            if stop.is_set():
+                break
+        ledger.fed()
+
+    async def _shutdown(self, tasks: list[asyncio.Task[None]], workers: Worker) -> None:
+        producer, feeder, *rest = tasks
+        producer.cancel()
+        feeder.cancel()
+        if self.stop.is_set() and workers.in_flight:
+            await _wait_first(workers.idle, self.stop.hurry, timeout=self.config.grace)
+        for t in rest:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- what comes back -----------------------------------------------------------------------
+
+    def _observe(self, item: str, attempt: Attempt) -> None:
+        """Every attempt: the hook, and an early stop when the job cannot work at all (a
+        refused connection, a name that does not resolve, a certificate that does not verify,
+        from the very first requests on). Once anything answered, the same errors are an
+        outage, for the breaker."""
+        if self.hooks.on_attempt is not None:
+            self.hooks.on_attempt(item, attempt.status, attempt.error)
+        if self._answered:
+            return
+        if attempt.status is not None:
+            self._answered = True
+            return
+        kind = attempt.kind
+        if kind not in INCURABLE:
+            return
+        self._incurable[kind] += 1
+        if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():
+            self.stop.set(Halt("unreachable", None, self.config.redact(
+                f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "
+                f"answer yet: {INCURABLE[kind]}")))  # type: ignore[index]
+
+    def _on_commit(self, records: list[Record]) -> None:
+        """Called by the writer once ``records`` are durable: only now do they count."""
+        t, on_result = self.tally, self.hooks.on_result
+        for rec in records:
+            kind = rec.kind
+            t.billable += rec.paid  # outcome and "billed" records; the others carry 0
+            if kind == "ok":
+                t.ok += 1
+            elif kind == "failed":
+                t.failed += 1
+            elif kind == "unavailable":
+                t.unavailable += 1
+            else:
+                continue
+            if on_result is not None:
+                try:
+                    on_result(rec.result())
+                except Exception:
+                    log.exception("on_result hook failed for ID %r", rec.id)
+
+    def _on_storage_error(self, error: StorageError) -> None:
+        self.stop.set(Halt("storage", None, str(error)))
+
+    async def _summary(self, store: Store, seen: set[str]) -> Summary:
+        """This run's IDs by their state now (IDs settled by earlier runs included)."""
+        ok = failed = unavailable = pending = 0
+        ids = list(seen)
+        for i in range(0, len(ids), CHUNK_IDS):
+            chunk = ids[i:i + CHUNK_IDS]
+            states = await store.lookup(chunk)
+            c = Counts.of(states.get(item) for item in chunk)
+            ok, failed = ok + c.ok, failed + c.failed
+            unavailable, pending = unavailable + c.unavailable, pending + c.pending
+        t = self.tally
+        return Summary(ok=ok, failed=failed, unavailable=unavailable, pending=pending,
+                       fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
+                       retries=t.retries, requests=t.requests, billable=t.billable,
+                       halt=self.stop.halt, elapsed=time.monotonic() - self.meter.started,
+                       state_dir=store.location)
+
+
+def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
+    """Refuse a state made by another job: its settled IDs would be skipped, and the new job
+    would fetch nothing and say it had finished."""
+    now = cfg.job_identity()
+    if job is None or job == now or cfg.reuse_state:
+        return
+    keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
+    raise JobMismatch(
+        f"the state directory {cfg.state_dir} belongs to another job ("
+        + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
+        + ", ".join(f"{k} {now[k]!r}" for k in keys)
+        + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
+        "address what the old job had not settled and keep what it had, pass --reuse-state "
+        "([state] reuse = true)")
+
+
+async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:
+    """Until one of ``events`` is set, or ``timeout`` seconds."""
+    waiters = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def _finish(task: asyncio.Task[Any]) -> None:
+    """Await a task we own, even if our caller is being cancelled meanwhile."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.shield(task)
+    if not task.done():  # we were cancelled while it still ran: wait once more, then let go
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()  # type: ignore[misc]

@@ -1,0 +1,80 @@
+"""[5] The state store's interface: every read and write of a job's state goes through a
+``Store``. Today's implementation is the journal (``journal.py``); ``open_store`` and
+``read_store`` pick it for a state directory.
+
+A store is batch-oriented, so that a database can implement it with one statement per chunk
+and one transaction per group commit; nothing in the interface loads every ID into memory:
+
+=========================  ==========================================================================
+``open_store(location)``   open for a run: create it if needed, take the job's lock (else
+                           ``LockedError``), repair what a crash left (a torn tail), replay
+``read_store(location)``   open read-only without the lock, for ``status`` / ``export`` /
+                           ``--dry-run`` while a run may be going (``ConfigError`` if there is none)
+``job``                    the job's identity (method, url, params) as its last run recorded it
+``lookup(ids)``            the state (``ok`` | ``failed`` | ``perm`` | ``unavailable``) of those of
+                           a chunk of IDs that have one (awaitable: a database answers off the loop)
+``commit(records)``        append a batch and make it durable (one fsync or transaction), then let
+                           it count; blocking, called only from the writer's thread. Raises
+                           ``StorageError``; after one, the store takes no more writes
+``snapshot()``             the figures of ``status`` (``records.Snapshot``), from indexes
+``records(outcome)``       stream the records to export: ``ok`` (each ID's result, once),
+                           ``failed`` or ``unavailable`` (each such ID's latest outcome record)
+``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off
+``close()``                release the lock and the files (awaitable)
+=========================  ==========================================================================
+
+Records and their meaning are defined once, in ``records.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, overload
+
+from .journal import Journal
+from .records import Record, Snapshot
+
+
+class Store(Protocol):
+    """A job's durable state. See the module's docstring for each member's contract."""
+
+    location: str
+    job: dict[str, Any] | None
+
+    async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
+
+    def commit(self, records: Sequence[Record]) -> None: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def records(self, outcome: str) -> Iterator[Record]: ...
+
+    def in_doubt(self) -> Iterator[tuple[str, bool]]: ...
+
+    async def close(self) -> None: ...
+
+
+async def open_store(location: str | os.PathLike[str]) -> Store:
+    """The store at ``location`` (a state directory), opened and locked for a run."""
+    journal = await Journal.open(location)
+    try:
+        await journal.start_appending()
+    except BaseException:
+        await journal.close()
+        raise
+    return journal
+
+
+@overload
+def read_store(location: str | os.PathLike[str]) -> Store: ...
+@overload
+def read_store(location: str | os.PathLike[str], *, missing_ok: bool) -> Store | None: ...
+
+
+def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False) -> Store | None:
+    """The store at ``location``, read-only and unlocked (a run may be going). Where no run
+    ever wrote: ``None`` if ``missing_ok``, else ``ConfigError`` (a wrong ``--state``)."""
+    if missing_ok and not Journal.exists(location):
+        return None
+    return Journal.reader(location)
