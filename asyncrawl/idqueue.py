@@ -63,9 +63,16 @@ class IdQueue:
 
     async def put(self, item: Item) -> None:
         while len(self._items) >= self.maxsize:
-            await self._wait(self._putters)
-        self._items.append(item)
-        self._wake_getter()
+            fut = asyncio.get_running_loop().create_future()
+            self._putters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._putters.remove(fut)
+                raise
+        self.push(item)
 
     def push(self, item: Item) -> None:
         """Add ``item`` now, past the bound (a due retry)."""
@@ -73,36 +80,31 @@ class IdQueue:
         self._wake_getter()
 
     async def get(self) -> Item:
-        while not self._items:
+        items = self._items
+        while not items:
+            fut = asyncio.get_running_loop().create_future()
+            self._getters.append(fut)
             try:
-                await self._wait(self._getters)
-            except asyncio.CancelledError:
-                self._wake_getter()  # a wake-up this getter can no longer use goes on
+                await fut
+            except BaseException:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._getters.remove(fut)
+                if items and not fut.cancelled():  # woken, then cancelled: pass the wake-up on
+                    self._wake_getter()
                 raise
-        item = self._items.popleft()
-        if self._putters and len(self._items) <= self._low:
+        item = items.popleft()
+        if self._putters and len(items) <= self._low:
             putters, self._putters = self._putters, []
             for fut in putters:
                 if not fut.done():
                     fut.set_result(None)
         return item
 
-    @staticmethod
-    async def _wait(waiters: deque[asyncio.Future[None]] | list[asyncio.Future[None]]) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        waiters.append(fut)
-        try:
-            await fut
-        finally:
-            if not fut.done():
-                fut.cancel()
-            with contextlib.suppress(ValueError):
-                waiters.remove(fut)
-
     def _wake_getter(self) -> None:
-        if not self._items:
-            return
-        for fut in self._getters:
+        getters = self._getters
+        while getters:
+            fut = getters.popleft()
             if not fut.done():
                 fut.set_result(None)
                 return

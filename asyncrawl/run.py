@@ -45,7 +45,7 @@ from .live import Gauges, Meter, Tally, tick
 from .records import SETTLED, Counts, Record
 from .source import CHUNK_IDS
 from .store import Store
-from .types import Halt, Progress, Result, Summary
+from .types import ErrorKind, Halt, Progress, Result, Summary
 from .worker import Ledger, Stop, Worker, outcome_record
 from .writer import Writer
 
@@ -85,7 +85,7 @@ class Run:
         self.history: dict[str, Item] = {}
         self._workers: Worker | None = None
         self._answered = False
-        self._incurable = collections.Counter[object]()
+        self._incurable = collections.Counter[ErrorKind]()
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -239,7 +239,7 @@ class Run:
     async def _pass(self, pass_no: int, ids: AsyncIterator[list[str]], fetcher: Fetcher,
                     budget: Budget, writer: Writer) -> Ledger:
         cfg, gov = self.config, self.governor
-        assert gov is not None
+        assert gov is not None  # made by _passes, before the first pass
         self.pass_no = pass_no
         queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
         parking = Parking(queue)
@@ -277,8 +277,9 @@ class Run:
                 if item.paid:  # billed answers (e.g. a 2xx that did not parse) of an unsettled ID
                     writer.put(Record("billed", item.id, paid=item.paid))
         for t in tasks:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+            exc = None if t.cancelled() else t.exception()
+            if exc is not None:
+                raise exc
         return ledger
 
     async def _produce(self, ids: AsyncIterator[list[str]], queue: IdQueue, ledger: Ledger) -> None:
@@ -319,13 +320,14 @@ class Run:
             self._answered = True
             return
         kind = attempt.kind
-        if kind not in INCURABLE:
+        fix = INCURABLE.get(kind) if kind is not None else None
+        if fix is None:
             return
         self._incurable[kind] += 1
         if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():
             self.stop.set(Halt("unreachable", None, self.config.redact(
                 f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "
-                f"answer yet: {INCURABLE[kind]}")))  # type: ignore[index]
+                f"answer yet: {fix}")))
 
     def _on_commit(self, records: list[Record]) -> None:
         """Called by the writer once ``records`` are durable: only now do they count."""
@@ -402,5 +404,6 @@ async def _finish(task: asyncio.Task[Any]) -> None:
     if not task.done():  # we were cancelled while it still ran: wait once more, then let go
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        raise task.exception()  # type: ignore[misc]
+    exc = task.exception() if task.done() and not task.cancelled() else None
+    if exc is not None:
+        raise exc

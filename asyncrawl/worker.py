@@ -44,7 +44,7 @@ class Verdict(NamedTuple):
     until the next try (PARK); ``charged``: whether the try counts towards ``max_tries``."""
 
     action: Action
-    kind: str | None = None
+    kind: str = ""
     permanent: bool = False
     delay: float = 0.0
     charged: bool = True
@@ -261,7 +261,7 @@ class Worker:
             self.retries += 1
             self.parking.park(item, verdict.delay)
             return
-        rec = outcome_record(item, attempt, verdict.kind, permanent=verdict.permanent,  # type: ignore[arg-type]
+        rec = outcome_record(item, attempt, verdict.kind, permanent=verdict.permanent,
                              pass_no=self.pass_no, keep_data=self.keep_data, error=verdict.error)
         self.sink.put(rec)
         self.ledger.settled(item, rec)

@@ -38,7 +38,12 @@ ratio is meaningless (a warning is printed).
 Usage::
 
     .venv/bin/python bench/throughput.py [--requests 20000] [--concurrency 64] [--rounds 3] [--json]
-        [--intent-cost]
+        [--intent-cost] [--against TREE]
+
+``--against TREE`` adds ``cli@ref`` and ``library@ref``: the same kinds run from another checkout
+(``TREE/.venv``), alternating with the others in every round, so that a change is judged
+against the same baseline runs: ``git worktree add /tmp/before HEAD~1`` (plus its venv) and
+``--against /tmp/before``.
 
 ``--intent-cost`` adds a kind, ``no-intent``: the ``library`` crawl with the durable "sent" record
 (written before each request, for the in-doubt report) switched off in the worker process, and
@@ -362,18 +367,25 @@ def children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+REF = "@ref"  # suffix of the kinds run from the --against tree
+
+
 def run_worker(kind: str, rnd: int, server: Nginx, args: argparse.Namespace, state_root: Path) -> Run:
     state_dir = Path(tempfile.mkdtemp(prefix=f"{kind}-r{rnd}-", dir=state_root))
+    python, script, cwd = sys.executable, str(Path(__file__).resolve()), REPO_ROOT
+    if kind.endswith(REF):  # the same worker, from the other checkout (its venv, its package)
+        tree = Path(args.against).resolve()
+        python, script, cwd = str(tree / ".venv/bin/python"), str(tree / "bench/throughput.py"), tree
     cmd = [
-        sys.executable, str(Path(__file__).resolve()),
-        "--worker", kind,
+        python, script,
+        "--worker", kind.removesuffix(REF),
         "--url", server.base,
         "--requests", str(args.requests),
         "--concurrency", str(args.concurrency),
         "--state-dir", str(state_dir / "state"),
     ]  # fmt: skip
     cpu0, ngx0, t0 = children_cpu(), server.cpu_seconds(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     wall, ngx = time.perf_counter() - t0, server.cpu_seconds() - ngx0
     cpu_total = children_cpu() - cpu0
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -438,7 +450,7 @@ def print_table(runs: list[Run], out: TextIO) -> None:
     )
     for r in runs:
         print(
-            f"{r.round:>5} {r.kind:<9} {r.rps:>9.0f} {r.elapsed_s:>9.2f} {r.cpu_s:>7.2f} "
+            f"{r.round:>5} {r.kind:<11} {r.rps:>9.0f} {r.elapsed_s:>9.2f} {r.cpu_s:>7.2f} "
             f"{r.cpu_us_per_req:>10.0f} {r.client_cpu_share:>10.0%} {r.nginx_cpu_share:>9.0%} "
             f"{r.cpu_total_s:>10.2f}",
             file=out,
@@ -449,6 +461,8 @@ def driver_main(args: argparse.Namespace) -> int:
     kinds = list(KINDS) if args.only is None else [args.only]
     if args.intent_cost:
         kinds.append(NO_INTENT)
+    if args.against:
+        kinds += [k + REF for k in kinds if k in ("cli", "library")]
     skipped: str | None = None
     if set(kinds) - {"baseline"}:
         reason = asyncrawl_available()
@@ -481,7 +495,7 @@ def driver_main(args: argparse.Namespace) -> int:
                     run = run_worker(kind, rnd, server, args, root)
                     runs.append(run)
                     print(
-                        f"  round {rnd} {kind:<9} {run.rps:8.0f} req/s  "
+                        f"  round {rnd} {kind:<11} {run.rps:8.0f} req/s  "
                         f"cpu {run.cpu_s:.2f} s  nginx {run.nginx_cpu_share:.0%}",
                         file=sys.stderr,
                     )
@@ -509,10 +523,13 @@ def driver_main(args: argparse.Namespace) -> int:
     print(file=out)
     for kind in kinds:
         print(
-            f"median {kind:<9} {medians[kind]:9.0f} req/s   {cpu_medians[kind]:6.0f} us CPU/req",
+            f"median {kind:<11} {medians[kind]:9.0f} req/s   {cpu_medians[kind]:6.0f} us CPU/req",
             file=out,
         )
-    for kind, value, label in (("cli", ratio, "ratio"), ("library", library_ratio, "library ratio")):
+    rows = [("cli", ratio, "ratio"), ("library", library_ratio, "library ratio")]
+    rows += [(k + REF, ratio_of(k + REF), f"{label} of --against")
+             for k, _, label in list(rows) if k + REF in medians]
+    for kind, value, label in rows:
         if value is not None:
             cpu_ratio = cpu_medians[kind] / cpu_medians["baseline"]
             print(f"{label} = median({kind}) / median(baseline) = {value:.3f}   "
@@ -557,6 +574,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="runs of each side (3)")
     p.add_argument("--warmup", type=int, default=2_000, help="unreported warm-up requests (2000)")
     p.add_argument("--only", choices=KINDS, help="run one side only")
+    p.add_argument("--against", metavar="TREE",
+                   help="also run the cli and library kinds from another checkout (with its own "
+                        ".venv), in the same rounds: a before/after comparison on one baseline")
     p.add_argument("--intent-cost", action="store_true",
                    help=f"also run asyncrawl without its durable 'sent' record ({NO_INTENT}) "
                         "and print what the record costs")
