@@ -578,3 +578,15 @@ def _check_ca_bundle(path: str) -> None:
         raise ConfigError(f"cannot load CA bundle {path} ({e.__class__.__name__}); it must be "
                           "PEM certificates (-----BEGIN CERTIFICATE-----)",
                           key="request.ca_bundle") from None
+
+
+def endpoint_of(url: str) -> str:
+    """The endpoint of a URL template as a provider's billing page names it: host (and port) and
+    path, ID placeholder kept, no scheme, credentials or query: ``api.example.com/v1/notes/{id}``."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{host}{f':{port}' if port else ''}{parts.path or '/'}"

@@ -194,6 +194,7 @@ class Snapshot:
     halt: Halt | None  # why the last run halted, if it did
     job: dict[str, Any] | None  # the job's identity (method, url, params) per its last run
     running: int | None  # pid of the run holding the state now (0: unknown pid), or None
+    ledger: tuple[tuple[str, str, int], ...] = ()  # (UTC date, endpoint, billable) as recorded
 
     @property
     def billable(self) -> int:

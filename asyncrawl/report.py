@@ -14,11 +14,10 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import urlsplit
 
 import orjson
 
-from .config import Config
+from .config import Config, endpoint_of
 from .errors import ConfigError, StorageError
 from .live import read_live
 from .progress import halt_text
@@ -26,28 +25,19 @@ from .records import Record
 from .store import read_store
 from .types import Halt
 
+__all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
+
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
 EXPORT_FORMATS = ("jsonl", "csv", "ids")
-
-
-def endpoint_of(url: str) -> str:
-    """The endpoint of a URL template as a provider's billing page names it: host (and port) and
-    path, ID placeholder kept, no scheme, credentials or query: ``api.example.com/v1/notes/{id}``."""
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    return f"{host}{f':{port}' if port else ''}{parts.path or '/'}"
 
 
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     """The figures ``asyncrawl status`` prints (the ``--json`` object).
 
     The billing ledger counts billable (2xx) calls by the UTC date of their record and by
-    endpoint: the one the state's job fetched; without one, derived from ``config.url``
-    (``endpoint=None``: unknown, e.g. no config was given; a string: that endpoint).
+    endpoint, both as recorded with each call (state imported from a journal that did not
+    record its endpoint: the state's job's, else one derived from ``config.url``;
+    ``endpoint=None``: unknown, e.g. no config was given; a string: that endpoint).
     ``not_billed`` counts the calls sent without a 2xx answer (error answers, timeouts, dropped
     connections), from the store's note written before each send, minus the calls whose answer
     was lost in a crash (``in_doubt``: possibly billed).
@@ -61,8 +51,9 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         endpoint = config.redact(endpoint_of(config.url))
     price = config.price_per_call
     ledger = []
-    for day, n in snap.billable_by_day.items():
-        row: dict[str, Any] = {"date": day, "endpoint": endpoint, "billable": n}
+    rows = snap.ledger or tuple((day, "", n) for day, n in snap.billable_by_day.items())
+    for day, recorded, n in rows:
+        row: dict[str, Any] = {"date": day, "endpoint": recorded or endpoint, "billable": n}
         if price is not None:
             row["cost"] = round(n * price, 6)
         ledger.append(row)

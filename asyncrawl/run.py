@@ -42,7 +42,7 @@ from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request
 from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .live import Gauges, Meter, Tally, tick
-from .records import SETTLED, Counts, Record
+from .records import SETTLED, Record
 from .source import CHUNK_IDS
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
@@ -131,10 +131,9 @@ class Run:
             name="asyncrawl-progress")
         writer.put(Record("run", extra={"version": __version__, "pid": os.getpid(),
                                         "job": cfg.job_identity()}))
-        seen: set[str] = set()
         error: BaseException | None = None
         try:
-            await self._passes(self._first_pass_ids(source, store, seen), session, writer)
+            await self._passes(self._first_pass_ids(source, store), session, writer)
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -143,7 +142,7 @@ class Run:
             raise
         finally:
             await self._close(writer, writer_task, ticker, error)
-        summary = await self._summary(store, seen)
+        summary = await self._summary(store)
         halt = self.stop.halt
         if halt is not None and halt.reason in ("fatal", "budget", "storage"):
             await send_alerts(cfg, halt, summary, session)
@@ -190,22 +189,16 @@ class Run:
             ticker.cancel()
             await _finish(ticker)
 
-    async def _first_pass_ids(self, source: AsyncIterator[list[str]], store: Store,
-                              seen: set[str]) -> AsyncIterator[list[str]]:
-        """The source's IDs minus duplicates and what earlier runs settled."""
+    async def _first_pass_ids(self, source: AsyncIterator[list[str]],
+                              store: Store) -> AsyncIterator[list[str]]:
+        """The source's IDs minus duplicates and what earlier runs settled (the store dedups:
+        memory does not grow with the list)."""
         tally, history = self.tally, self.history
         async for chunk in source:
-            fresh = []
-            for item in chunk:
-                if item in seen:
-                    tally.duplicates += 1
-                    continue
-                seen.add(item)
-                fresh.append(item)
-            states = await store.lookup(fresh)
+            fresh, duplicates = await store.admit(chunk)
+            tally.duplicates += duplicates
             todo = []
-            for item in fresh:
-                was = states.get(item)
+            for item, was in fresh:
                 if was in SETTLED:
                     tally.skipped += 1
                     continue
@@ -352,18 +345,11 @@ class Run:
     def _on_storage_error(self, error: StorageError) -> None:
         self.stop.set(Halt("storage", None, str(error)))
 
-    async def _summary(self, store: Store, seen: set[str]) -> Summary:
+    async def _summary(self, store: Store) -> Summary:
         """This run's IDs by their state now (IDs settled by earlier runs included)."""
-        ok = failed = unavailable = pending = 0
-        ids = list(seen)
-        for i in range(0, len(ids), CHUNK_IDS):
-            chunk = ids[i:i + CHUNK_IDS]
-            states = await store.lookup(chunk)
-            c = Counts.of(states.get(item) for item in chunk)
-            ok, failed = ok + c.ok, failed + c.failed
-            unavailable, pending = unavailable + c.unavailable, pending + c.pending
+        c = await store.run_counts()
         t = self.tally
-        return Summary(ok=ok, failed=failed, unavailable=unavailable, pending=pending,
+        return Summary(ok=c.ok, failed=c.failed, unavailable=c.unavailable, pending=c.pending,
                        fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                        retries=t.retries, requests=t.requests, billable=t.billable,
                        halt=self.stop.halt, elapsed=time.monotonic() - self.meter.started,

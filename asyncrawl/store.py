@@ -1,6 +1,6 @@
 """[5] The state store's interface: every read and write of a job's state goes through a
-``Store``. Today's implementation is the journal (``journal.py``); ``open_store`` and
-``read_store`` pick it for a state directory.
+``Store``. The implementation for a state directory is SQLite (``sqlstore.py``);
+``open_store`` and ``read_store`` pick it.
 
 A store is batch-oriented, so that a database can implement it with one statement per chunk
 and one transaction per group commit; nothing in the interface loads every ID into memory:
@@ -13,6 +13,9 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``job``                    the job's identity (method, url, params) as its last run recorded it
 ``lookup(ids)``            the state (``ok`` | ``failed`` | ``perm`` | ``unavailable``) of those of
                            a chunk of IDs that have one (awaitable: a database answers off the loop)
+``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
+                           (in order, with their state) and how many were duplicates
+``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
 ``commit(records)``        append a batch and make it durable (one fsync or transaction), then let
                            it count; blocking, called only from the writer's thread. Raises
                            ``StorageError``; after one, the store takes no more writes
@@ -32,8 +35,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, overload
 
-from .journal import Journal
-from .records import Record, Snapshot
+from .records import Counts, Record, Snapshot
+from .sqlstore import SqliteStore
 
 
 class Store(Protocol):
@@ -43,6 +46,10 @@ class Store(Protocol):
     job: dict[str, Any] | None
 
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
+
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]: ...
+
+    async def run_counts(self) -> Counts: ...
 
     def commit(self, records: Sequence[Record]) -> None: ...
 
@@ -57,13 +64,7 @@ class Store(Protocol):
 
 async def open_store(location: str | os.PathLike[str]) -> Store:
     """The store at ``location`` (a state directory), opened and locked for a run."""
-    journal = await Journal.open(location)
-    try:
-        await journal.start_appending()
-    except BaseException:
-        await journal.close()
-        raise
-    return journal
+    return await SqliteStore.open(location)
 
 
 @overload
@@ -75,6 +76,6 @@ def read_store(location: str | os.PathLike[str], *, missing_ok: bool) -> Store |
 def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False) -> Store | None:
     """The store at ``location``, read-only and unlocked (a run may be going). Where no run
     ever wrote: ``None`` if ``missing_ok``, else ``ConfigError`` (a wrong ``--state``)."""
-    if missing_ok and not Journal.exists(location):
+    if missing_ok and not SqliteStore.exists(location):
         return None
-    return Journal.reader(location)
+    return SqliteStore.reader(location)

@@ -11,7 +11,7 @@ requests in flight:
   ``orjson.loads`` -- nothing else.
 * ``cli``       -- asyncrawl as its users run it: ``asyncrawl run -c bench.toml`` (in the worker
   process, through ``asyncrawl.cli.main``), the IDs in a file, the rate limit set out of the way
-  (rate 1e6/s, burst 1e5) but durability on: every result is journalled with fsync group commit
+  (rate 1e6/s, burst 1e5) but durability on: every result is committed (group commit, fsync)
   into a fresh state directory on the normal disk. This includes what the command does around
   the crawl (reading and checking the IDs file, progress lines, its garbage-collector policy).
 * ``library``   -- the same crawl through the library API, ``Crawler(Config(...)).run(ids)``, in an
@@ -137,11 +137,11 @@ def cli_files(base: str, n: int, concurrency: int, state_dir: str) -> list[str]:
     return ["run", "-c", str(cfg)]
 
 
-def journal_ok(state_dir: str) -> int:
+def durable_ok(state_dir: str) -> int:
     """The IDs recorded ok in a state directory (read after the timed section)."""
-    from asyncrawl.journal import load_state
+    from asyncrawl.store import read_store
 
-    return load_state(Path(state_dir)).counts()["ok"]
+    return read_store(Path(state_dir)).snapshot().counts.ok
 
 
 async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
@@ -194,7 +194,7 @@ def worker_main(args: argparse.Namespace) -> int:
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if code != 0:
             print(f"asyncrawl run exited {code}", file=sys.stderr)
-        ok = journal_ok(args.state_dir)
+        ok = durable_ok(args.state_dir)
     else:
         ok, elapsed, cpu = asyncio.run(timed())
     result = {"kind": args.worker, "ok": ok, "elapsed_s": elapsed, "cpu_s": cpu}
@@ -424,7 +424,7 @@ def asyncrawl_available() -> str | None:
 
 
 def state_root() -> Path:
-    """A directory for state dirs on a real disk (the journal fsyncs; tmpfs would flatter it)."""
+    """A directory for state dirs on a real disk (the store fsyncs; tmpfs would flatter it)."""
     tmp = Path(tempfile.gettempdir())
     fstype = ""
     try:

@@ -4,18 +4,18 @@ What it does
 ------------
 Starts the fault-injecting mock API in its own process (``python -m asyncrawl.testing --faults
 demo --payload-bytes B --log LOG``: about 15 % of the IDs misbehave, every payload is padded to
-``B`` bytes so that journal records are large and a kill often lands while the writer is writing
-or fsyncing), then ``--kills`` times: starts ``python -m asyncrawl run`` in a fresh process on the
+``B`` bytes so that records are large and a kill often lands while the writer is writing or
+fsyncing the WAL), then ``--kills`` times: starts ``python -m asyncrawl run`` in a fresh process on the
 same state directory and SIGKILLs it
 
 * ``startup`` (some of the kills): at a random instant in the first 0.7 s -- while Python starts,
-  the journal is opened, repaired, replayed, or the first requests go out (sooner if the
-  journal grew as below);
-* ``running``: once the journal has grown by a random amount (on average about half of
+  the state database is opened and recovered, or the first requests go out (sooner if records
+  were committed as below);
+* ``running``: once a random number of records were committed (on average about half of
   1/(kills left) of the records left to write), after a further random 0-50 ms -- so the kill
   falls anywhere in the write / fsync / request cycle, in pass 1, the cool-down or pass 2;
-* ``on-write``: once the journal has grown by such an amount, the instant its size changes
-  again -- while the writer is in the middle of a (large) write, or has just begun its fsync;
+* ``on-write``: once that many records were committed, the instant the WAL is written again --
+  while the writer is in the middle of a (large) transaction, or has just begun its fsync;
 * ``cool-down`` / ``pass-2`` (the last tenth of the kills, alternately): once the run is in its
   cool-down (its ``live.json`` says so) or once pass 2 has begun (the mock sees an unfetchable ID
   again after its pass-1 tries), after a further random 0-100 ms. A run can only get there when
@@ -25,7 +25,8 @@ After the kills, one last run is left to finish (it must exit 0).
 
 What it checks (any violation is printed and makes the exit status 1)
 ---------------------------------------------------------------------
-From the mock's own request log and the journal as the killed process left it:
+From the mock's own request log and the state database as the killed process left it (read
+with ``sqlite3``, independently of asyncrawl's store):
 
 * *in doubt* after each kill: ``export --outcome in-doubt`` lists exactly the IDs in doubt
   before, plus ``J`` = the IDs with a durable ``sent`` record in the killed run and no outcome
@@ -37,7 +38,6 @@ From the mock's own request log and the journal as the killed process left it:
 * re-fetched after success: IDs the mock answered (billed) during a killed run whose result was
   not durable at the kill and that were billed again later; per kill at most ``concurrency`` +
   the writer's batch limit, and none of them durable at the kill;
-* the journal never holds two ``ok`` records for one ID;
 * at the end: ``export --outcome ok`` holds every fetchable ID exactly once with its exact payload
   (``payload_for(id, pad=B)``); ``export --outcome unavailable`` is exactly the IDs the demo fault
   mix makes unfetchable (not_found 404, bad_request 400, gone 500 on every attempt) with that
@@ -62,6 +62,7 @@ import os
 import random
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,7 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
-from asyncrawl.journal import HEADER, JOURNAL, OUTCOME_KINDS  # noqa: E402
+from asyncrawl.sqlstore import DB  # noqa: E402
 from asyncrawl.testing import LogEntry, MockProcess, demo_faults, payload_for  # noqa: E402
 from asyncrawl.writer import Writer  # noqa: E402
 
@@ -131,74 +132,59 @@ progress_interval = 60
 """, encoding="utf-8")
 
 
-# -- the journal, read independently -----------------------------------------------------------
+# -- the state, read independently -------------------------------------------------------------
 
 
-class JournalReader:
-    """Reads the journal incrementally (only whole lines; a torn tail is left for later).
+class StateReader:
+    """Reads the state database read-only, as the killed process left it (SQLite's WAL makes
+    what was committed readable; nothing of an unfinished transaction)."""
 
-    Valid because a rerun only ever cuts the torn tail beyond the last complete record."""
+    def __init__(self, state: Path) -> None:
+        self.path = state / DB
+        self.wal = state / (DB + "-wal")
+        self.runs: list[tuple[int, float]] = []  # (pid, started) of each run
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.ok_records: collections.Counter[str] = collections.Counter()
-        self.latest: dict[str, str] = {}  # id -> ok | failed | unavailable (ok is final)
-        self.runs: list[tuple[int, list[dict[str, Any]]]] = []  # (pid, records) of each run
+    def _rows(self, query: str) -> list[tuple[Any, ...]]:
+        if not self.path.exists():
+            return []
+        db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
+        try:
+            return db.execute(query).fetchall()
+        except sqlite3.OperationalError as e:
+            if "no such table" in str(e):
+                return []
+            raise
+        finally:
+            db.close()
 
     def read(self) -> int:
-        """Read what was added; return the length of the torn tail (0: the file ends cleanly)."""
-        if not self.path.exists():
-            return 0
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        if self.offset == 0:
-            if not data.startswith(HEADER):
-                return len(data)  # torn while writing the header
-            self.offset = len(HEADER)
-            data = data[len(HEADER):]
-        pos = 0
-        current: list[dict[str, Any]] | None = self.runs[-1][1] if self.runs else None
-        while True:
-            nl = data.find(b"\n", pos)
-            if nl < 0:
-                break
-            rec = orjson.loads(data[pos:nl + 1])  # a complete bad line would be damage: raise
-            pos = nl + 1
-            kind = rec["k"]
-            if kind == "run":
-                current = []
-                self.runs.append((rec["pid"], current))
-            elif kind in OUTCOME_KINDS:
-                item = rec["id"]
-                if kind == "ok":
-                    self.ok_records[item] += 1
-                if self.latest.get(item) != "ok":
-                    self.latest[item] = kind
-            if current is not None:
-                current.append(rec)
-        self.offset += pos
-        return len(data) - pos
+        """Catch up with the runs; return the WAL's size (what the next open recovers from)."""
+        self.runs = [(pid, started) for pid, started in self._rows(
+            "SELECT pid, started FROM runs ORDER BY run")]
+        return self.wal.stat().st_size if self.wal.exists() else 0
+
+    def written(self) -> int:
+        """Records committed so far (intents and outcomes): grows with every commit."""
+        rows = self._rows("SELECT total(sends) + count(state) FROM items")
+        return int(rows[0][0]) if rows else 0
+
+    def wal_changed_at(self) -> int:
+        return self.wal.stat().st_mtime_ns if self.wal.exists() else 0
 
     def settled(self) -> set[str]:
-        return {i for i, k in self.latest.items() if k in ("ok", "unavailable")}
+        return {i for i, in self._rows("SELECT id FROM items WHERE state IN ('ok', 'unavailable')")}
 
     def durable_ok(self) -> set[str]:
-        return {i for i, k in self.latest.items() if k == "ok"}
+        return {i for i, in self._rows("SELECT id FROM items WHERE state = 'ok'")}
 
     def run_in_flight(self, index: int) -> tuple[set[str], set[str]]:
-        """(sent, in flight) of the ``index``-th run: IDs with a ``sent`` record; those with no
-        outcome record after their last ``sent`` record."""
-        sent: set[str] = set()
-        flying: set[str] = set()
-        for rec in self.runs[index][1]:
-            if rec["k"] == "sent":
-                sent.add(rec["id"])
-                flying.add(rec["id"])
-            elif rec["k"] in OUTCOME_KINDS:
-                flying.discard(rec["id"])
-        return sent, flying
+        """(sent, in flight) of the ``index``-th run (the last one, before the next run opens the
+        state): IDs settled by it or with an open intent; those with an open intent."""
+        started = self.runs[index][1]
+        flying = {i for i, in self._rows("SELECT id FROM items WHERE sent_run IS NOT NULL")}
+        settled = {i for i, in self._rows(
+            f"SELECT id FROM items WHERE state IS NOT NULL AND fetched_at >= {started!r}")}
+        return settled | flying, flying
 
 
 # -- the mock's log ----------------------------------------------------------------------------
@@ -229,11 +215,11 @@ class Kill:
     mode: str
     after: float  # seconds from spawn to SIGKILL
     exit: int | None
-    torn: int  # bytes of torn tail found after the kill (the kill hit a write)
+    torn: int  # bytes of WAL left by the killed process (recovered by the next open)
     new_ok: int  # ok records made durable by this run
     durable_ok: int
     received: int  # distinct IDs the mock received during this run
-    in_doubt_new: int  # J: in flight at the crash per the journal
+    in_doubt_new: int  # J: in flight at the crash per the state
     unsettled_received: int  # E: received by the mock, no settled record at the crash
     missing: int  # E - J: must be 0
     never_reached: int  # J - E: durable "sent", the request never reached the mock
@@ -283,8 +269,7 @@ def torture(*, kills: int, n_ids: int, concurrency: int = 16, payload_bytes: int
                        "--payload-bytes", str(payload_bytes), cwd=REPO_ROOT)
     cfg = base / "torture.toml"
     write_config(cfg, url=mock.item_url, ids=ids_file, state=state, concurrency=concurrency)
-    journal = JournalReader(state / JOURNAL)
-    record_bytes = payload_bytes + 250  # an ok record and its "sent" record, about
+    journal = StateReader(state)
     windows: list[tuple[int, int, set[str]]] = []  # (log start, log end, durable ok at the kill)
     seen_200: set[str] = set()
     prev_export: set[str] = set()
@@ -294,17 +279,19 @@ def torture(*, kills: int, n_ids: int, concurrency: int = 16, payload_bytes: int
             start = len(log)
             settled_before = journal.settled()
             ok_before = len(journal.durable_ok())
-            size0 = journal.path.stat().st_size if journal.path.exists() else 0
+            journal.read()
+            written0 = journal.written()
             runs_before = len(journal.runs)
-            # each run may write about half of 1/(kills left) of the ok records left
+            # each run may write about half of 1/(kills left) of the records left (an ok result
+            # and its intent per fetchable ID)
             ok_left = len(fetchable) - ok_before
-            slice_bytes = max(ok_left, 1) * record_bytes / ((kills - k + 1) * 2)
+            slice_records = max(ok_left, 1) * 2 / ((kills - k + 1) * 2)
             x = rng.random()
             mode = "startup" if x < 0.15 else "running" if x < 0.6 else "on-write"
             if k > kills - max(2, kills // 10):
                 mode = "cool-down" if (kills - k) % 2 else "pass-2"
-            proc, after, mode = _run_and_kill(base, cfg, journal.path, mock.log_path, mode, size0,
-                                              slice_bytes, rng)
+            proc, after, mode = _run_and_kill(base, cfg, journal, mock.log_path, mode, written0,
+                                              slice_records, rng)
             exit_code = proc.returncode
             log = mock.settled_log()
             torn = journal.read()
@@ -379,8 +366,9 @@ def _work_parent() -> str | None:
     return str(work)
 
 
-def _run_and_kill(base: Path, cfg: Path, journal: Path, mock_log: Path, mode: str, size0: int,
-                  slice_bytes: float, rng: random.Random) -> tuple[subprocess.Popen[str], float, str]:
+def _run_and_kill(base: Path, cfg: Path, state: StateReader, mock_log: Path, mode: str,
+                  written0: int, slice_records: float,
+                  rng: random.Random) -> tuple[subprocess.Popen[str], float, str]:
     """Start a run, SIGKILL it as ``mode`` says; return it, when it was killed, and the phase
     hit (``mode``, except that a ``cool-down`` kill may find pass 2 begun already)."""
     tail = LogTail(mock_log)
@@ -390,27 +378,26 @@ def _run_and_kill(base: Path, cfg: Path, journal: Path, mock_log: Path, mode: st
                                  "--no-progress"], stdout=so, stderr=se, text=True,
                                 env={**os.environ, **ENV}, cwd=REPO_ROOT)
     try:
-        target = size0 + rng.uniform(0.1, 1.5) * slice_bytes
+        target = written0 + rng.uniform(0.1, 1.5) * slice_records
         if mode == "startup":
             deadline = t + rng.uniform(0.0, 0.7)
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.002)
-                if journal.exists() and journal.stat().st_size >= target:
+                if state.written() >= target:
                     break
         elif mode in ("cool-down", "pass-2"):
-            mode = _wait_for_pass_2(proc, tail, journal.parent / "live.json", mode, t + RUN_LIMIT)
+            mode = _wait_for_pass_2(proc, tail, state.path.parent / "live.json", mode, t + RUN_LIMIT)
             time.sleep(rng.uniform(0.0, 0.1))
         else:
             give_up = t + RUN_LIMIT
-            size = -1
-            while proc.poll() is None and size < target and time.monotonic() < give_up:
-                time.sleep(0.001)
-                size = journal.stat().st_size if journal.exists() else 0
+            while proc.poll() is None and state.written() < target and time.monotonic() < give_up:
+                time.sleep(0.002)
             if mode == "running":
                 time.sleep(rng.uniform(0.0, 0.05))
-            else:  # busy-wait for the next write to begin, and kill at once
+            else:  # busy-wait for the next commit to begin writing the WAL, and kill at once
+                changed = state.wal_changed_at()
                 while proc.poll() is None and time.monotonic() < give_up:
-                    if (journal.stat().st_size if journal.exists() else 0) != size:
+                    if state.wal_changed_at() != changed:
                         break
         after = time.monotonic() - t
         if proc.poll() is None:
@@ -470,7 +457,7 @@ def _export_in_doubt(state: Path) -> dict[str, bool]:
 
 
 def _final_checks(report: Report, log: list[LogEntry], windows: list[tuple[int, int, set[str]]],
-                  journal: JournalReader, state: Path, fetchable: list[str],
+                  journal: StateReader, state: Path, fetchable: list[str],
                   unfetchable: dict[str, int], payload_bytes: int) -> None:
     check = report.check
     # billed answers per kill window, and which of them were billed again later
@@ -495,8 +482,6 @@ def _final_checks(report: Report, log: list[LogEntry], windows: list[tuple[int, 
     report.refetched_total = sum(n - 1 for n in total_billed.values() if n > 1)
     check(set(total_billed) == set(fetchable),
           f"billed IDs != fetchable IDs ({len(set(total_billed) ^ set(fetchable))} differ)")
-    twice = [i for i, n in journal.ok_records.items() if n > 1]
-    check(not twice, f"the journal holds two ok records for {len(twice)} IDs: {twice[:5]}")
 
     r = asyncrawl("export", "--state", str(state), "--outcome", "ok", "--format", "jsonl")
     check(r.returncode == 0, f"export ok: {r.stderr}")
@@ -531,7 +516,7 @@ def _final_checks(report: Report, log: list[LogEntry], windows: list[tuple[int, 
 
 
 def _kill_line(k: Kill) -> str:
-    return (f"kill {k.n:3d} {k.mode:9s} at {k.after:5.2f}s  torn {k.torn:6d} B  "
+    return (f"kill {k.n:3d} {k.mode:9s} at {k.after:5.2f}s  WAL {k.torn:8d} B  "
             f"ok +{k.new_ok:4d} = {k.durable_ok:5d}  received {k.received:4d}  "
             f"in doubt {k.in_doubt_new:3d} (server-unsettled {k.unsettled_received:3d}, "
             f"missing {k.missing}, never reached {k.never_reached:2d})  "
@@ -550,8 +535,8 @@ def summary(report: Report) -> str:
         f"kills                      {n} ("
         + ", ".join(f"{sum(k.mode == m for k in ks)} {m}"
                     for m in ("startup", "running", "on-write", "cool-down", "pass-2")) + ")",
-        f"kills that tore a write    {sum(k.torn > 0 for k in ks)} (torn tail found and repaired "
-        "by the next run)",
+        f"kills with a WAL to recover {sum(k.torn > 0 for k in ks)} (committed transactions not "
+        "yet checkpointed; an unfinished one is ignored by the next open)",
         f"kills with requests in flight  {sum(k.in_doubt_new > 0 for k in ks)}",
         f"in doubt at the crashes    {sum(k.in_doubt_new for k in ks)} IDs in total "
         f"(server-unsettled {sum(k.unsettled_received for k in ks)}, missing "

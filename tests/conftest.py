@@ -102,3 +102,30 @@ def _toml(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     return repr(v)
+
+
+# -- reading a state directory as a user would: the SQLite database and its ``results`` view ----
+
+
+def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    """Rows of ``query`` on the state database, read-only (a run may be going)."""
+    import sqlite3
+
+    path = state / "state.db"
+    if not path.exists():
+        return []
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return db.execute(query, params).fetchall()
+    finally:
+        db.close()
+
+
+def outcomes_of(state: Path) -> dict[str, str]:
+    """ID -> outcome (ok | failed | unavailable) of every settled ID."""
+    return dict(db_rows(state, "SELECT id, outcome FROM results"))  # type: ignore[arg-type]
+
+
+def sends_of(state: Path) -> dict[str, int]:
+    """ID -> requests recorded sent for it (each one's ``sent`` intent was durable first)."""
+    return dict(db_rows(state, "SELECT id, sends FROM items WHERE sends > 0"))  # type: ignore[arg-type]

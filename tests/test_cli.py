@@ -30,11 +30,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from asyncrawl.journal import JOURNAL, load_state, scan
 from asyncrawl.testing import LogEntry, demo_faults, flaky_faults, payload_for, read_log
 from asyncrawl.writer import Writer
 
-from .conftest import KEY, cli, write_config, write_ids
+from .conftest import KEY, cli, outcomes_of, sends_of, write_config, write_ids
 
 ENV = {"ASYNCRAWL_TEST_KEY": KEY}
 BATCH_LIMIT: int = inspect.signature(Writer).parameters["batch_limit"].default
@@ -71,14 +70,12 @@ def export(cfg: Path, *args: str, env: dict[str, str] = ENV) -> str:
 
 
 def ok_count(state: Path) -> int:
-    """Durable ``ok`` records in the state directory (read without the lock, like ``status``)."""
-    if not (state / "journal.jsonl").exists():
-        return 0
-    return load_state(state).counts()["ok"]
+    """Durable ``ok`` results in the state directory (read without the lock, like ``status``)."""
+    return len(durable_ok_ids(state))
 
 
 def durable_ok_ids(state: Path) -> set[str]:
-    return {i for i, o in load_state(state).outcome.items() if o == "ok"}
+    return {i for i, o in outcomes_of(state).items() if o == "ok"}
 
 
 def popen_cli(tmp_path: Path, name: str, *args: str, env: dict[str, str] = ENV) -> subprocess.Popen[str]:
@@ -755,7 +752,7 @@ def test_status_export_and_dry_run_work_without_the_api_key(tmp_path: Path, mock
 
 
 def sent_records(state: Path) -> collections.Counter[str]:
-    return collections.Counter(rec["id"] for _, rec in scan(state / JOURNAL) if rec["k"] == "sent")
+    return collections.Counter(sends_of(state))
 
 
 def test_the_server_sees_exactly_the_requests_recorded_sent_even_with_drops(

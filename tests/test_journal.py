@@ -1,22 +1,22 @@
-"""journal.py: creation, group commit, replay, torn-tail repair at every byte offset, damage that
-must not be "repaired", the format version, and the lock (in this process and another one)."""
+"""journal.py, the format of earlier releases: its records, its replay rules, and its import into
+the state database on first open: once, with a message, the file kept as
+``journal.jsonl.imported``; a torn tail (a crash mid-write) imported without it; damage, a bad
+header or another format version refused with the file left as it was and no database made."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import orjson
 import pytest
 
-from asyncrawl import JournalCorrupt, LockedError, StorageError
-from asyncrawl.journal import HEADER, JOURNAL, LOCK, Journal, Record, State, load_state, scan
-from asyncrawl.writer import Writer
+from asyncrawl import JournalCorrupt, StorageError
+from asyncrawl.journal import HEADER, JOURNAL, Record
+from asyncrawl.sqlstore import DB
+from asyncrawl.store import open_store, read_store
+
+from .conftest import outcomes_of
 
 TS = 1_700_000_000.0  # 2023-11-14 UTC
 
@@ -27,6 +27,7 @@ RECORDS = [
     Record("failed", "c", status=503, error="HTTP 503", tries=5, ts=TS),
     Record("ok", "d/ü", status=200, data=[1, "two", None], paid=1, tries=2, ts=TS + 86_400),
 ]
+STATES = {"a": "ok", "b": "failed", "c": "failed", "d/ü": "ok"}  # as the results view says
 
 
 def body(records: list[Record]) -> bytes:
@@ -40,14 +41,9 @@ def write_raw(state: Path, data: bytes) -> Path:
     return path
 
 
-def ids_in(path: Path) -> list[str | None]:
-    return [rec.get("id") for _, rec in scan(path)]
-
-
-async def reopen(state: Path) -> Journal:
-    j = await Journal.open(state)
-    await j.close()
-    return j
+async def reopen(state: Path) -> None:
+    store = await open_store(state)
+    await store.close()
 
 
 def test_ok_record_keeps_the_body_as_received() -> None:
@@ -63,172 +59,78 @@ def test_ok_record_keeps_the_body_as_received() -> None:
     assert orjson.loads(Record("ok", "z", data=[1], ts=TS).encode())["data"] == [1]
 
 
-async def test_raw_bodies_replay_and_repair(tmp_path: Path) -> None:
+async def test_raw_bodies_are_imported(tmp_path: Path) -> None:
     state = tmp_path / "state"
     raws = [b'{"n":1}', b' [ "sp aced" ] ', b'{"s":"a\\nb"}', b'{\n"multi":\n"line"}']
     recs = [Record("ok", f"r{i}", status=200, raw=r, ts=TS) for i, r in enumerate(raws)]
-    full = HEADER + body(recs)
-    write_raw(state, full[:-3])  # the last record torn
-    j = await Journal.open(state)
-    await j.close()
-    assert [r["data"] for _, r in scan(state / JOURNAL)] == [orjson.loads(r) for r in raws[:-1]]
-
-
-# -- creation and the writer ---------------------------------------------------------------------
-
-
-async def test_open_creates_dir_with_header(tmp_path: Path) -> None:
-    state = tmp_path / "deep" / "state"
-    j = await Journal.open(state)
-    try:
-        assert stat.S_IMODE(state.stat().st_mode) == 0o700
-        assert (state / JOURNAL).read_bytes() == HEADER
-        assert orjson.loads(HEADER) == {"asyncrawl_journal": 1}
-        assert (state / LOCK).read_text().strip() == str(os.getpid())
-        assert j.state.outcome == {} and j.state.runs == 0
-    finally:
-        await j.close()
-    assert (state / JOURNAL).read_bytes() == HEADER  # reopening an empty journal keeps it as is
+    write_raw(state, (HEADER + body(recs))[:-3])  # the last record torn
     await reopen(state)
-    assert (state / JOURNAL).read_bytes() == HEADER
+    payloads = {r.id: r.payload for r in read_store(state).records("ok")}
+    assert payloads == {f"r{i}": orjson.loads(r) for i, r in enumerate(raws[:-1])}
 
 
-async def test_open_on_a_file_is_storage_error(tmp_path: Path) -> None:
-    (tmp_path / "state").write_text("x")
-    with pytest.raises(StorageError, match="not a directory"):
-        await Journal.open(tmp_path / "state")
-
-
-async def test_writer_group_commits_and_reports_after_append(tmp_path: Path) -> None:
+async def test_import_happens_once_with_a_message_and_keeps_the_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state = tmp_path / "state"
-    j = await Journal.open(state)
-    await j.start_appending()
-    committed: list[list[Record]] = []
-    on_disk_at_commit: list[bytes] = []
-
-    def on_commit(batch: list[Record]) -> None:
-        on_disk_at_commit.append((state / JOURNAL).read_bytes())  # must already be written
-        committed.append(batch)
-
-    errors: list[StorageError] = []
-    w = Writer(j, on_commit=on_commit, on_error=errors.append)
-    for r in RECORDS:
-        w.put(r)
-    w.close()
-    await w.run()
-    await j.close()
-
-    assert errors == []
-    assert committed == [RECORDS]  # everything queued before the writer ran: one commit
-    assert (w.commits, w.written) == (1, len(RECORDS))
-    assert on_disk_at_commit == [HEADER + body(RECORDS)]
-
-    j2 = await Journal.open(state)
-    try:
-        st = j2.state
-        assert st.runs == 1
-        assert st.outcome == {"a": "ok", "b": "perm", "c": "failed", "d/ü": "ok"}
-        assert st.counts() == {"ok": 2, "failed": 2, "unavailable": 0}
-        assert st.billable_by_day == {"2023-11-14": 1, "2023-11-15": 1}
-    finally:
-        await j2.close()
-    assert load_state(state).outcome == j2.state.outcome
+    data = HEADER + body([*RECORDS, Record.sent("e")])  # the last run crashed with "e" in flight
+    write_raw(state, data)
+    with caplog.at_level("WARNING", logger="asyncrawl"):
+        snap = read_store(state).snapshot()  # status before any run: read, not imported
+        assert snap.counts.ok == 2 and (state / JOURNAL).exists() and not (state / DB).exists()
+        await reopen(state)
+    assert [m for m in caplog.messages if "imported the journal" in m and "(6 records)" in m]
+    assert not (state / JOURNAL).exists()
+    assert (state / (JOURNAL + ".imported")).read_bytes() == data
+    assert outcomes_of(state) == STATES
+    snap = read_store(state).snapshot()
+    assert snap.billable_by_day == {"2023-11-14": 1, "2023-11-15": 1}
+    assert dict(read_store(state).in_doubt()) == {"e": False}
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncrawl"):
+        await reopen(state)  # once only
+    assert not [m for m in caplog.messages if "imported" in m]
+    assert outcomes_of(state) == STATES
 
 
-async def test_writer_commits_while_running(tmp_path: Path) -> None:
-    j = await Journal.open(tmp_path / "state")
-    await j.start_appending()
-    committed: list[Record] = []
-    errors: list[StorageError] = []
-    w = Writer(j, on_commit=committed.extend, on_error=errors.append, batch_limit=2)
-    task = asyncio.create_task(w.run())
-    for r in RECORDS:
-        w.put(r)
-        await asyncio.sleep(0.01)
-    w.close()
-    await task
-    await j.close()
-    assert errors == []
-    assert committed == RECORDS
-    assert w.commits >= 3  # batch_limit 2 for 5 records
-    assert (tmp_path / "state" / JOURNAL).read_bytes() == HEADER + body(RECORDS)
-
-
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-async def test_writer_storage_error_stops_writing(tmp_path: Path) -> None:
-    j = await Journal.open(tmp_path / "state")
-    j._fd = os.open("/dev/full", os.O_WRONLY)  # every write fails with ENOSPC
-    committed: list[Record] = []
-    errors: list[StorageError] = []
-    w = Writer(j, on_commit=committed.extend, on_error=errors.append)
-    w.put(RECORDS[0])
-    task = asyncio.create_task(w.run())
-    deadline = asyncio.get_running_loop().time() + 30
-    while not errors:
-        assert asyncio.get_running_loop().time() < deadline and not task.done()
-        await asyncio.sleep(0.01)
-    w.put(RECORDS[1])
-    w.close()
-    await task
-    await j.close()
-    assert len(errors) == 1 and w.failed is errors[0]
-    assert committed == [] and w.written == 0
-
-
-def test_state_replay_rules() -> None:
-    st = State()
-    for rec in [
-        {"k": "run", "ts": TS},
-        {"k": "ok", "id": "x", "paid": 1, "ts": TS},
-        {"k": "failed", "id": "x", "ts": TS},  # ok is final
-        {"k": "failed", "id": "y", "perm": True, "ts": TS},
-        {"k": "unavailable", "id": "y", "ts": TS},
-        {"k": "failed", "id": "z", "ts": TS},
-        {"k": "ok", "id": "z", "ts": TS},
-        {"k": "halt", "s": 402, "ts": TS},
-    ]:
-        st.apply(Record.decode(rec))
-    assert st.outcome == {"x": "ok", "y": "unavailable", "z": "ok"}
-    assert st.is_settled("x") and st.is_settled("y") and not st.is_settled("nope")
-    assert st.halt is not None and st.halt.status == 402
-    st.apply(Record("run", ts=TS))
-    assert st.halt is None and st.runs == 2
+async def test_replay_rules_of_an_imported_journal(tmp_path: Path) -> None:
+    recs = [
+        Record("run", ts=TS),
+        Record("ok", "x", paid=1, ts=TS),
+        Record("failed", "x", ts=TS),  # ok is final
+        Record("failed", "y", permanent=True, ts=TS),
+        Record("unavailable", "y", ts=TS),
+        Record("failed", "z", ts=TS),
+        Record("ok", "z", ts=TS),
+        Record("halt", status=402, ts=TS, extra={"reason": "fatal"}),
+    ]
+    write_raw(tmp_path / "s", HEADER + body(recs))
+    snap = read_store(tmp_path / "s").snapshot()
+    assert snap.halt is not None and snap.halt.status == 402 and snap.runs == 1
+    await reopen(tmp_path / "s")
+    assert outcomes_of(tmp_path / "s") == {"x": "ok", "y": "unavailable", "z": "ok"}
+    write_raw(tmp_path / "t", HEADER + body([*recs, Record("run", ts=TS)]))
+    snap = read_store(tmp_path / "t").snapshot()
+    assert snap.halt is None and snap.runs == 2  # a new run clears the last one's halt
 
 
 # -- torn tails ----------------------------------------------------------------------------------
 
 
-async def test_every_cut_inside_the_records_is_repaired(tmp_path: Path) -> None:
+def test_every_cut_inside_the_records_imports_the_complete_ones(tmp_path: Path) -> None:
     full = HEADER + body(RECORDS)
     ends = []  # byte offset at which each record's line ends
     pos = len(HEADER)
     for r in RECORDS:
         pos += len(r.encode())
-        ends.append(pos)
-    state = tmp_path / "state"
+        ends.append((pos, r.id))
     # every offset after the header, so inside the last record whatever the last write held
     for cut in range(len(HEADER), len(full)):
-        path = write_raw(state, full[:cut])
-        kept = [e for e in ends if e <= cut]
-        j = await Journal.open(state)
-        try:
-            assert len(j.state.outcome) + j.state.runs == len(kept), cut
-            await j.start_appending()
-            await j.append(Record("unavailable", "new", ts=TS).encode())
-        finally:
-            await j.close()
-        good = max(kept, default=len(HEADER))
-        assert path.read_bytes() == full[:good] + Record("unavailable", "new", ts=TS).encode(), cut
-        assert ids_in(path)[-1] == "new"
-        assert len(list(scan(path))) == len(kept) + 1
-
-
-async def test_cut_only_the_final_newline(tmp_path: Path) -> None:
-    full = HEADER + body(RECORDS)
-    path = write_raw(tmp_path / "s", full[:-1])  # the last record is valid JSON but unterminated
-    j = await reopen(tmp_path / "s")
-    assert "d/ü" not in j.state.outcome
-    assert path.read_bytes() == HEADER + body(RECORDS[:-1])
+        state = tmp_path / f"s{cut}"
+        write_raw(state, full[:cut])
+        asyncio.run(reopen(state))
+        kept = {i for e, i in ends if e <= cut and i is not None}
+        assert set(outcomes_of(state)) == kept, cut
+        assert (state / (JOURNAL + ".imported")).read_bytes() == full[:cut]
 
 
 @pytest.mark.parametrize(
@@ -247,33 +149,31 @@ async def test_cut_only_the_final_newline(tmp_path: Path) -> None:
         b"\n\n",
     ],
 )
-async def test_garbage_tail_is_repaired(tmp_path: Path, garbage: bytes) -> None:
-    good = HEADER + body(RECORDS)
-    path = write_raw(tmp_path / "s", good + garbage)
-    j = await reopen(tmp_path / "s")
-    assert path.read_bytes() == good
-    assert j.state.outcome == {"a": "ok", "b": "perm", "c": "failed", "d/ü": "ok"}
+async def test_garbage_tail_is_left_out_of_the_import(tmp_path: Path, garbage: bytes) -> None:
+    write_raw(tmp_path / "s", HEADER + body(RECORDS) + garbage)
+    await reopen(tmp_path / "s")
+    assert outcomes_of(tmp_path / "s") == STATES
 
 
 @pytest.mark.parametrize("cut", range(1, len(HEADER)))
-async def test_torn_header_is_rewritten(tmp_path: Path, cut: int) -> None:
-    path = write_raw(tmp_path / "s", HEADER[:cut])
+async def test_torn_header_imports_nothing(tmp_path: Path, cut: int) -> None:
+    write_raw(tmp_path / "s", HEADER[:cut])
     await reopen(tmp_path / "s")
-    assert path.read_bytes() == HEADER
+    assert outcomes_of(tmp_path / "s") == {}
 
 
-async def test_load_state_ignores_torn_tail_without_modifying(tmp_path: Path) -> None:
+async def test_reading_a_torn_journal_ignores_the_tail_without_modifying(tmp_path: Path) -> None:
     full = HEADER + body(RECORDS)
     torn = full[: len(full) - 7] + b"\x00\x00"
     path = write_raw(tmp_path / "s", torn)
-    st = load_state(tmp_path / "s")
-    assert st.outcome == {"a": "ok", "b": "perm", "c": "failed"}
-    assert path.read_bytes() == torn
+    store = read_store(tmp_path / "s")  # status / export before any run of this release
+    assert {r.id for r in store.records("ok")} == {"a"}
+    assert {r.id: r.permanent for r in store.records("failed")} == {"b": True, "c": False}
+    assert path.read_bytes() == torn and not (tmp_path / "s" / DB).exists()
 
 
-def test_load_state_of_missing_dir_is_empty(tmp_path: Path) -> None:
-    st = load_state(tmp_path / "nothing")
-    assert st.outcome == {} and st.runs == 0
+def test_reading_a_missing_dir_finds_nothing(tmp_path: Path) -> None:
+    assert read_store(tmp_path / "nothing", missing_ok=True) is None
     assert not (tmp_path / "nothing").exists()
 
 
@@ -290,13 +190,14 @@ async def test_damage_in_the_middle_is_corrupt_and_untouched(tmp_path: Path, bad
     path = write_raw(tmp_path / "s", data)
     for _ in range(2):  # the lock is released after the failure: the same error again
         with pytest.raises(JournalCorrupt) as e:
-            await Journal.open(tmp_path / "s")
+            await open_store(tmp_path / "s")
         assert e.value.offset == len(before)
         assert f"offset {len(before)}" in str(e.value)
         assert str(path) in str(e.value)
         assert path.read_bytes() == data
+        assert not (tmp_path / "s" / DB).exists()  # no half-imported database
     with pytest.raises(JournalCorrupt):
-        load_state(tmp_path / "s")
+        read_store(tmp_path / "s")
     assert path.read_bytes() == data
 
 
@@ -306,7 +207,7 @@ async def test_torn_record_glued_to_a_valid_one_is_corrupt(tmp_path: Path) -> No
     data = before + r3[:20] + RECORDS[4].encode() + RECORDS[1].encode()
     path = write_raw(tmp_path / "s", data)
     with pytest.raises(JournalCorrupt) as e:
-        await Journal.open(tmp_path / "s")
+        await open_store(tmp_path / "s")
     assert e.value.offset == len(before)
     assert path.read_bytes() == data
 
@@ -316,7 +217,7 @@ async def test_not_a_journal(tmp_path: Path, header: bytes) -> None:
     data = header + body(RECORDS)
     path = write_raw(tmp_path / "s", data)
     with pytest.raises(JournalCorrupt, match="not an asyncrawl journal") as e:
-        await Journal.open(tmp_path / "s")
+        await open_store(tmp_path / "s")
     assert e.value.offset == 0
     assert path.read_bytes() == data
 
@@ -325,87 +226,11 @@ async def test_other_format_version(tmp_path: Path) -> None:
     data = b'{"asyncrawl_journal": 2}\n' + body(RECORDS)
     path = write_raw(tmp_path / "s", data)
     with pytest.raises(StorageError) as e:
-        await Journal.open(tmp_path / "s")
+        await open_store(tmp_path / "s")
     assert not isinstance(e.value, JournalCorrupt)
     msg = str(e.value)
     assert "format 2" in msg and "format 1" in msg and "incompatible" in msg
     assert str(path) in msg
     assert path.read_bytes() == data
     with pytest.raises(StorageError, match="incompatible"):
-        load_state(tmp_path / "s")
-
-
-# -- the lock ------------------------------------------------------------------------------------
-
-
-async def test_lock_in_this_process(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    first = await Journal.open(state)
-    try:
-        with pytest.raises(LockedError) as e:
-            await Journal.open(state)
-        assert f"pid {os.getpid()}" in str(e.value)
-        assert str(state) in str(e.value)
-        assert e.value.exit_code == 2
-    finally:
-        await first.close()
-    second = await Journal.open(state)
-    await second.close()
-
-
-HOLDER = textwrap.dedent("""
-    import asyncio, sys
-    from asyncrawl.journal import Journal
-
-    async def main():
-        j = await Journal.open(sys.argv[1])
-        print("locked", flush=True)
-        await asyncio.sleep(60)
-        await j.close()
-
-    asyncio.run(main())
-""")
-
-
-def test_lock_held_by_another_process(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(state)], stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "locked"
-        with pytest.raises(LockedError) as e:
-            asyncio.run(Journal.open(state))
-        assert f"pid {proc.pid}" in str(e.value)
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
-    # the holder died without closing: the kernel released its flock
-    asyncio.run(reopen(state))
-    assert (state / LOCK).read_text().strip() == str(os.getpid())
-
-
-async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path: Path) -> None:
-    """A batch nobody waits for lingers for company (fewer wake-ups of the writer's thread); a
-    record somebody waits for cuts the lingering short."""
-    j = await Journal.open(tmp_path / "state")
-    await j.start_appending()
-    batches: list[list[str | None]] = []
-    w = Writer(j, on_commit=lambda b: batches.append([r.id for r in b]), on_error=print, linger=30)
-    task = asyncio.create_task(w.run())
-    w.put(Record("ok", "a", ts=TS))
-    deadline = asyncio.get_running_loop().time() + 30
-    while not w._lingering:  # the thread took "a" and waits for company
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.001)
-    w.put(Record("ok", "b", ts=TS))
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    assert await w.commit(Record("sent", "c", ts=TS)) is True
-    assert loop.time() - started < 15  # not the 30 s linger: the commit woke the writer
-    w.close()
-    await task
-    await j.close()
-    assert batches == [["a", "b", "c"]]  # one write for the three
+        read_store(tmp_path / "s")

@@ -24,9 +24,10 @@ import pytest
 
 from asyncrawl import Config, Crawler, Halt, Summary
 from asyncrawl.crawler import Result
-from asyncrawl.journal import Journal, Record
 from asyncrawl.progress import ErrorTally, LiveView, answer_kind, result_kind
+from asyncrawl.records import Record
 from asyncrawl.report import endpoint_of, export
+from asyncrawl.store import open_store
 from asyncrawl.testing import LogEntry, MockAPI, demo_faults, payload_for, read_log
 
 from .conftest import KEY, cli, fast_config, write_config, write_ids
@@ -362,14 +363,12 @@ def test_export_streams_in_constant_memory(tmp_path: Path) -> None:
     n, size = 1500, 20_000  # 30 MB of payloads
 
     async def build() -> None:
-        journal = await Journal.open(tmp_path / "state")
-        await journal.start_appending()
+        store = await open_store(tmp_path / "state")
         for start in range(0, n, 100):
-            await journal.append(b"".join(
-                Record("ok", f"big{i}", status=200, paid=1, tries=1,
-                       data={"id": f"big{i}", "body": "x" * size, "n": i}).encode()
-                for i in range(start, start + 100)))
-        await journal.close()
+            store.commit([Record("ok", f"big{i}", status=200, paid=1, tries=1,
+                                 data={"id": f"big{i}", "body": "x" * size, "n": i})
+                          for i in range(start, start + 100)])
+        await store.close()
 
     asyncio.run(build())
     cfg = Config(url="http://unused/{id}", state_dir=str(tmp_path / "state"))

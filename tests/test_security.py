@@ -37,9 +37,9 @@ from hypothesis import strategies as st
 
 from asyncrawl import Config, ConfigError, Crawler
 from asyncrawl.fetch import INSECURE_WARNING, Fetcher, Outcome, RequestBuilder, encode_id
-from asyncrawl.journal import JOURNAL, scan
+from asyncrawl.journal import JOURNAL
 
-from .conftest import ROOT, write_config, write_ids
+from .conftest import ROOT, db_rows, write_config, write_ids
 
 # A key with characters that a URL must percent-encode: redaction has to catch the encoded form.
 KEY = "sk+live/7f3a9c=="
@@ -787,12 +787,14 @@ def test_cli_default_refuses_an_untrusted_certificate(tls_a: Hostile, pki: Pki, 
 
 
 def outcomes(state: Path) -> dict[str, dict[str, Any]]:
-    """ID -> its outcome record (asserting there is exactly one per ID)."""
+    """ID -> its outcome as the state database has it, in the record's short keys (``k``
+    outcome, ``s`` status, ``e`` error, ``perm``, ``n`` tries, ``data``)."""
     out: dict[str, dict[str, Any]] = {}
-    for _, rec in scan(state / JOURNAL):
-        if rec["k"] in ("ok", "failed", "unavailable"):
-            assert rec["id"] not in out, f"two outcome records for {rec['id']}"
-            out[rec["id"]] = rec
+    for item, state_, status, error, tries, data in db_rows(
+            state, "SELECT id, state, status, error, tries, data FROM items WHERE state IS NOT NULL"):
+        out[item] = {"k": "failed" if state_ == "perm" else state_, "s": status, "e": error,
+                     "perm": state_ == "perm", "n": tries,
+                     "data": json.loads(data) if data is not None else None}
     return out
 
 
@@ -836,7 +838,7 @@ async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, t
             assert rec["data"] == {"id": item}
     assert records["drip"]["e"] == "timeout"  # the total bounds a server that never goes silent
     assert took < 30  # two tries of the 1.5 s total for "drip" dominate
-    assert_no_secret((state / JOURNAL).read_bytes())
+    assert_no_secret(b"".join(p.read_bytes() for p in state.glob("state.db*")))
 
 
 async def test_read_timeout_catches_a_silent_server_long_before_the_total(
@@ -885,8 +887,8 @@ async def test_error_in_a_200_body_can_halt_the_job(hostile: Hostile, tmp_path: 
     assert summary.halt is not None and summary.halt.reason == "fatal" and summary.halt.status == 402
     assert summary.exit_code == 3
     assert len(hostile.requests) < 10  # the job stopped at once
-    halts = [rec for _, rec in scan(state / JOURNAL) if rec["k"] == "halt"]
-    assert halts and halts[-1]["s"] == 402
+    halts = db_rows(state, "SELECT halt_status FROM runs WHERE halt_reason IS NOT NULL")
+    assert halts and halts[-1][0] == 402
 
 
 # -- 6. state directory and input files ----------------------------------------------------------
@@ -908,7 +910,9 @@ def test_state_directory_is_owner_only_even_with_umask_000(hostile: Hostile, tmp
     r = run_cli("run", "-c", str(conf), "--no-progress", env={"ASYNCRAWL_TEST_KEY": "k-123"}, umask=0)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
-    assert stat.S_IMODE((state / JOURNAL).stat().st_mode) == 0o600
+    assert (state / "state.db").exists()
+    for path in state.glob("state.db*"):  # the database, and its -wal / -shm while they exist
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE((state / "lock").stat().st_mode) == 0o600
 
 

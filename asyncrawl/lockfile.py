@@ -1,0 +1,75 @@
+"""The state directory and its lock: ``lock`` is flock()ed by the run that owns the directory
+and holds its pid, so that two runs never share one state, and ``status`` can say who runs."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from .errors import LockedError, StorageError
+
+LOCK = "lock"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock_state_dir(d: Path) -> int:
+    """Create ``d`` if needed and take its lock; the descriptor (closing it releases the lock).
+    ``LockedError`` if another run holds it."""
+    try:
+        if not d.exists():
+            d.mkdir(parents=True, mode=0o700)
+            fsync_dir(d.parent)
+        elif not d.is_dir():
+            raise StorageError("state path exists and is not a directory", path=d)
+        lock_fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise StorageError(f"cannot create state directory: {e.strerror}", path=d) from None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        pid = ""
+        with contextlib.suppress(OSError, ValueError):
+            pid = os.pread(lock_fd, 32, 0).decode().strip()
+        os.close(lock_fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise LockedError(
+                f"another asyncrawl run{f' (pid {pid})' if pid else ''} is using the state "
+                f"directory {d}; wait for it to finish or stop it first") from None
+        raise StorageError(f"cannot lock state directory: {e.strerror}", path=d) from None
+    try:
+        os.ftruncate(lock_fd, 0)
+        os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        os.close(lock_fd)
+        raise StorageError(f"cannot write the lock file: {e.strerror}", path=d / LOCK) from None
+    return lock_fd
+
+
+def lock_holder(state_dir: Path) -> int | None:
+    """The pid of the run holding the state directory's lock (0: unknown), or ``None``."""
+    try:
+        fd = os.open(state_dir / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                return int(os.pread(fd, 32, 0).decode().strip() or 0)
+            except (OSError, ValueError):
+                return 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

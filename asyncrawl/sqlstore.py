@@ -1,0 +1,611 @@
+"""[5] The state store of a state directory: one SQLite database, ``state.db`` (a ``store.Store``).
+
+Layout of a state directory::
+
+    state.db, state.db-wal, state.db-shm   the database (WAL mode)
+    lock                                   flock()ed by the run that owns the directory
+    live.json                              the running job's last progress snapshot
+
+Durability: WAL with ``synchronous = FULL``: a committed transaction survives a crash and a
+power loss. The writer's thread (``writer.Writer``) is the only writer; each group commit is one
+transaction, so one fsync of the WAL. Readers (``status``, ``export``, the run's own lookups)
+read consistent snapshots while it writes.
+
+Tables (``records.py`` says what each record means)::
+
+    items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt)
+        one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
+        failed, perm, unavailable; ``data`` the ok payload as JSON text; ``sent_run`` the run
+        whose ``sent`` intent has no outcome yet; ``sends`` the requests ever sent for it;
+        ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
+        doubt and fetched ok since: possibly billed twice)
+    runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
+    ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
+    tally(state, n)                         IDs by state, kept by triggers: counts in O(1)
+    meta(key, value)                        the job's identity ("job"), "imported_journal"
+
+and the view for users, ``results(id, outcome, status, error, fetched_at, data)``.
+
+A run dedups its IDs in a temporary table of its own connection (``admit``), so memory does not
+grow with the list. A state directory made by the journal of earlier releases
+(``journal.jsonl``) is imported on first open, in one transaction, and the file is kept as
+``journal.jsonl.imported``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .config import endpoint_of
+from .errors import ConfigError, StorageError
+from .journal import JOURNAL, scan
+from .lockfile import fsync_dir, lock_holder, lock_state_dir
+from .records import OUTCOME_KINDS, STATES, Counts, Record, Snapshot, utc_day
+from .types import Halt
+
+log = logging.getLogger("asyncrawl")
+
+DB = "state.db"
+SCHEMA_VERSION = 1
+CHUNK = 900  # IDs per lookup statement
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
+CREATE TABLE items (
+    id TEXT NOT NULL UNIQUE,
+    state TEXT,
+    status INTEGER,
+    error TEXT,
+    pass INTEGER,
+    tries INTEGER,
+    paid INTEGER NOT NULL DEFAULT 0,
+    fetched_at REAL,
+    data TEXT,
+    sent_run INTEGER,
+    sends INTEGER NOT NULL DEFAULT 0,
+    doubt INTEGER
+);
+CREATE INDEX items_state ON items (state) WHERE state IS NOT NULL;
+CREATE INDEX items_sent ON items (sent_run) WHERE sent_run IS NOT NULL;
+CREATE INDEX items_doubt ON items (doubt) WHERE doubt IS NOT NULL;
+CREATE TABLE runs (
+    run INTEGER PRIMARY KEY, started REAL, pid INTEGER, version TEXT, job TEXT, ended REAL,
+    error TEXT, halt_reason TEXT, halt_status INTEGER, halt_message TEXT
+);
+CREATE TABLE ledger (
+    day TEXT NOT NULL, endpoint TEXT NOT NULL, sent INTEGER NOT NULL DEFAULT 0,
+    billable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, endpoint)
+) WITHOUT ROWID;
+CREATE TABLE tally (state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+INSERT INTO tally VALUES ('ok', 0), ('failed', 0), ('perm', 0), ('unavailable', 0);
+CREATE TRIGGER items_insert AFTER INSERT ON items WHEN NEW.state IS NOT NULL BEGIN
+    UPDATE tally SET n = n + 1 WHERE state = NEW.state;
+END;
+CREATE TRIGGER items_update AFTER UPDATE OF state ON items
+WHEN OLD.state IS NOT NEW.state BEGIN
+    UPDATE tally SET n = n - 1 WHERE state = OLD.state;
+    UPDATE tally SET n = n + 1 WHERE state = NEW.state;
+END;
+CREATE VIEW results AS
+    SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status, error,
+           fetched_at, data
+    FROM items WHERE state IS NOT NULL;
+"""
+
+# An outcome record: ok is final (the first ok record is the ID's result; later ones add
+# only their bill), and it ends the ID's open "sent" intent.
+UPSERT_OUTCOME = """
+INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, data)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (id) DO UPDATE SET
+    state = iif(state = 'ok', 'ok', excluded.state),
+    status = iif(state = 'ok', status, excluded.status),
+    error = iif(state = 'ok', error, excluded.error),
+    pass = iif(state = 'ok', pass, excluded.pass),
+    tries = iif(state = 'ok', tries, excluded.tries),
+    fetched_at = iif(state = 'ok', fetched_at, excluded.fetched_at),
+    data = iif(state = 'ok', data, excluded.data),
+    paid = paid + excluded.paid,
+    sent_run = NULL,
+    doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
+"""
+UPSERT_SENT = """
+INSERT INTO items (id, sent_run, sends) VALUES (?, ?, 1)
+ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
+"""
+ADD_LEDGER = """
+INSERT INTO ledger (day, endpoint, sent, billable) VALUES (?, ?, ?, ?)
+ON CONFLICT (day, endpoint) DO UPDATE SET
+    sent = sent + excluded.sent, billable = billable + excluded.billable
+"""
+
+
+def _storage_error(e: sqlite3.Error, path: Path, doing: str) -> StorageError:
+    """An SQLite error in an operator's words (disk full, I/O error, damaged database)."""
+    text = str(e)
+    code = (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
+    if code in (11, 26) or "malformed" in text:  # SQLITE_CORRUPT, SQLITE_NOTADB
+        return StorageError(
+            f"the state database is damaged ({text}); nothing was changed. Keep a copy of the "
+            "state directory, then recover it with `sqlite3 state.db .recover | sqlite3 "
+            "new.db`, or start the job in a new state directory", path=path)
+    name = getattr(e, "sqlite_errorname", None)
+    return StorageError(f"cannot {doing}: {text}{f' ({name})' if name else ''}", path=path)
+
+
+class SqliteStore:
+    """The SQLite store of one state directory. ``SqliteStore.open`` opens it for a run (locked),
+    ``SqliteStore.reader`` read-only (no lock: a run may be going)."""
+
+    def __init__(self, state_dir: Path, db: sqlite3.Connection, *, lock_fd: int = -1) -> None:
+        self.state_dir = state_dir
+        self.location = str(state_dir)
+        self.path = state_dir / DB
+        self._db = db  # the writer's connection (a run), or the reader's
+        self._lock_fd = lock_fd
+        self._reader: sqlite3.Connection | None = None  # a run's lookups and dedup
+        self._run: int | None = None
+        self._endpoint = ""
+        self._dead = False
+        self.job: dict[str, Any] | None = self._meta_json("job")
+
+    def __repr__(self) -> str:
+        return f"<SqliteStore {self.path} locked={self._lock_fd >= 0} run={self._run}>"
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @staticmethod
+    def exists(state_dir: str | os.PathLike[str]) -> bool:
+        d = Path(state_dir)
+        return (d / DB).exists() or (d / "journal.jsonl").exists()
+
+    @classmethod
+    async def open(cls, state_dir: str | os.PathLike[str]) -> SqliteStore:
+        """Create or open the store: lock it, import an old journal, close a crashed run."""
+        return await asyncio.to_thread(cls._open_sync, Path(state_dir))
+
+    @classmethod
+    def _open_sync(cls, d: Path) -> SqliteStore:
+        lock_fd = lock_state_dir(d)
+        try:
+            _import_journal(d)
+            if not (d / DB).exists():
+                _create(d / DB)
+            db = _connect(d / DB)
+            try:
+                _ensure_schema(db, d / DB)
+                store = cls(d, db, lock_fd=lock_fd)
+                store._close_crashed_run()
+                store._reader = _connect(d / DB)
+                store._reader.execute("CREATE TEMP TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
+            except BaseException:
+                db.close()
+                raise
+        except sqlite3.Error as e:
+            os.close(lock_fd)
+            raise _storage_error(e, d / DB, "open the state database") from None
+        except OSError as e:
+            os.close(lock_fd)
+            raise StorageError(f"cannot create the state database: {e.strerror}",
+                               path=d / DB) from None
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return store
+
+    @classmethod
+    def reader(cls, state_dir: str | os.PathLike[str]) -> SqliteStore:
+        """Read-only and unlocked. ``ConfigError`` if no run ever used the directory. The
+        journal of an earlier release, not imported yet, is read into a temporary database."""
+        d = Path(state_dir)
+        if (d / JOURNAL).exists() and not (d / DB).exists():
+            return cls._legacy_reader(d)
+        if not (d / DB).exists():
+            what = "does not exist" if not d.exists() else "holds no asyncrawl state"
+            raise ConfigError(f"{d} {what}: nothing has run with this state directory (check "
+                              "--state, or [state] dir in the config)")
+        try:
+            db = sqlite3.connect(f"file:{d / DB}?mode=ro", uri=True, check_same_thread=False)
+            db.execute("PRAGMA query_only = 1")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.Error as e:
+            raise _storage_error(e, d / DB, "read the state database") from None
+        _check_version(version, d / DB)
+        return cls(d, db)
+
+    @classmethod
+    def _legacy_reader(cls, d: Path) -> SqliteStore:
+        fd, tmp = tempfile.mkstemp(prefix="asyncrawl-journal-", suffix=".db")
+        os.close(fd)
+        try:
+            _build_from_journal(d / JOURNAL, Path(tmp))
+            db = sqlite3.connect(tmp, check_same_thread=False)
+        finally:
+            os.unlink(tmp)  # the open connection keeps reading it
+        return cls(d, db)
+
+    def _meta_json(self, key: str) -> Any:
+        try:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+        return orjson.loads(row[0]) if row and row[0] is not None else None
+
+    def _close_crashed_run(self) -> None:
+        """If the last run ended without its ``end`` record, what it had sent without an outcome
+        is in doubt (possibly billed)."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        _close_open_intents(db)
+        db.execute("COMMIT")
+
+    # -- the Store interface: a run's reads ----------------------------------------------------
+
+    async def lookup(self, ids: Sequence[str]) -> dict[str, str]:
+        return await asyncio.to_thread(self._lookup, list(ids))
+
+    def _lookup(self, ids: list[str]) -> dict[str, str]:
+        db = self._reader or self._db
+        out: dict[str, str] = {}
+        try:
+            for i in range(0, len(ids), CHUNK):
+                part = ids[i:i + CHUNK]
+                out.update(db.execute(
+                    "SELECT id, state FROM items WHERE state IS NOT NULL AND id IN "
+                    f"({','.join('?' * len(part))})", part))
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+        return out
+
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
+        """Of a chunk of this run's IDs, those it has not seen before, in order, with their
+        state; and how many were duplicates."""
+        return await asyncio.to_thread(self._admit, list(ids))
+
+    def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None]], int]:
+        db = self._reader
+        assert db is not None, "admit() needs a store opened for a run"
+        try:
+            new = {row[0] for row in db.execute(
+                "INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
+                "ON CONFLICT DO NOTHING RETURNING id", (orjson.dumps(ids).decode(),))}
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+        fresh, dups, taken = [], 0, set()
+        for item in ids:
+            if item in new and item not in taken:
+                taken.add(item)
+                fresh.append(item)
+            else:
+                dups += 1
+        states = self._lookup(fresh)
+        return [(item, states.get(item)) for item in fresh], dups
+
+    async def run_counts(self) -> Counts:
+        """This run's IDs (every one ``admit`` took) by their state now."""
+        return await asyncio.to_thread(self._run_counts)
+
+    def _run_counts(self) -> Counts:
+        db = self._reader
+        assert db is not None
+        try:
+            rows = db.execute("SELECT i.state, count(*) FROM temp.seen AS s "
+                              "LEFT JOIN items AS i ON i.id = s.id GROUP BY i.state").fetchall()
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+        by = dict(rows)
+        return Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
+                      unavailable=by.get("unavailable", 0), pending=by.get(None, 0))
+
+    # -- the Store interface: writing (the writer's thread) -----------------------------------
+
+    def commit(self, records: Sequence[Record]) -> None:
+        """One transaction for the batch: durable (WAL fsync) when this returns."""
+        if self._dead:
+            raise StorageError("the state database failed earlier; nothing more is written",
+                               path=self.path)
+        db = self._db
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                self._apply(records)
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            self._dead = True
+            raise _storage_error(e, self.path, "write the state database") from None
+
+    def _apply(self, records: Sequence[Record]) -> None:
+        """The one place where records become state. Within a run, an ID's ``sent`` record
+        always precedes its outcome in an earlier batch (the intent is committed before the
+        request leaves), so a run's records are applied grouped by kind, one statement per
+        group; ``halt`` and ``end`` after the rest, and a ``run`` record (an imported journal
+        holds many) after everything before it."""
+        groups = _Groups()
+        for rec in records:
+            kind = rec.kind
+            if kind == "sent":
+                groups.sent.append((rec.id, self._run))
+                groups.ledger[(utc_day(rec.ts), self._endpoint, "sent")] += 1
+            elif kind in OUTCOME_KINDS:
+                groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
+                                        rec.tries, rec.paid, rec.ts,
+                                        _data(rec) if kind == "ok" else None))
+            elif kind == "billed":
+                groups.billed.append((rec.paid, rec.id))
+            elif kind == "run":
+                self._flush(groups)
+                groups = _Groups()
+                self._start_run(rec)
+            else:
+                groups.last.append(rec)
+            if rec.paid:
+                groups.ledger[(utc_day(rec.ts), self._endpoint, "billable")] += rec.paid
+        self._flush(groups)
+
+    def _flush(self, g: _Groups) -> None:
+        db = self._db
+        if g.sent:
+            db.executemany(UPSERT_SENT, g.sent)
+        if g.outcomes:
+            db.executemany(UPSERT_OUTCOME, g.outcomes)
+        if g.billed:
+            db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
+        if g.ledger:
+            db.executemany(ADD_LEDGER, [(day, ep, n if what == "sent" else 0,
+                                         n if what == "billable" else 0)
+                                        for (day, ep, what), n in g.ledger.items()])
+        for rec in g.last:
+            self._end_run(rec)
+
+    def _start_run(self, rec: Record) -> None:
+        _close_open_intents(self._db)  # (a no-op but in an imported journal's crashed runs)
+        extra = rec.extra or {}
+        job = extra.get("job")
+        cur = self._db.execute(
+            "INSERT INTO runs (started, pid, version, job) VALUES (?, ?, ?, ?)",
+            (rec.ts, extra.get("pid"), extra.get("version"),
+             orjson.dumps(job).decode() if job is not None else None))
+        self._run = cur.lastrowid
+        if job is not None:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('job', ?)",
+                             (orjson.dumps(job).decode(),))
+            self._endpoint = endpoint_of(job["url"])
+
+    def _end_run(self, rec: Record) -> None:
+        db = self._db
+        if rec.kind == "halt":
+            db.execute("UPDATE runs SET halt_reason = ?, halt_status = ?, halt_message = ? "
+                       "WHERE run = ?", ((rec.extra or {}).get("reason"), rec.status, rec.error,
+                                         self._run))
+        elif rec.kind == "end":
+            extra = rec.extra or {}
+            db.executemany("UPDATE items SET doubt = 0 WHERE id = ? AND doubt IS NULL",
+                           [(item,) for item in extra.get("in_doubt", ())])
+            db.execute("UPDATE items SET sent_run = NULL WHERE sent_run IS NOT NULL")
+            db.execute("UPDATE runs SET ended = ?, error = ? WHERE run = ?",
+                       (rec.ts, extra.get("error"), self._run))
+
+    # -- the Store interface: figures and streams ---------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        db = self._db
+        running = lock_holder(self.state_dir) if self._lock_fd < 0 else os.getpid()
+        try:
+            tally = dict(db.execute("SELECT state, n FROM tally"))
+            by_day: Counter[str] = Counter()
+            ledger = []
+            sent = 0
+            for day, endpoint, n_sent, n_billable in db.execute(
+                    "SELECT day, endpoint, sent, billable FROM ledger ORDER BY day, endpoint"):
+                sent += n_sent
+                if n_billable:
+                    by_day[day] += n_billable
+                    ledger.append((day, endpoint, n_billable))
+            doubt = dict(db.execute("SELECT doubt, count(*) FROM items WHERE doubt IS NOT NULL "
+                                    "GROUP BY doubt"))
+            open_sent = db.execute("SELECT count(*) FROM items WHERE sent_run IS NOT NULL "
+                                   "AND doubt IS NULL").fetchone()[0]
+            runs, = db.execute("SELECT count(*) FROM runs").fetchone()
+            last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
+                              "ORDER BY run DESC LIMIT 1").fetchone()
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+        halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
+        counts = Counts(ok=tally.get("ok", 0), failed=tally.get("failed", 0) + tally.get("perm", 0),
+                        unavailable=tally.get("unavailable", 0))
+        in_doubt = doubt.get(0, 0) + (open_sent if running is None else 0)
+        return Snapshot(counts=counts, billable_by_day=dict(by_day), sent=sent, in_doubt=in_doubt,
+                        billed_twice=doubt.get(1, 0),
+                        in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
+                        job=self.job, running=running, ledger=tuple(ledger))
+
+    def records(self, outcome: str) -> Iterator[Record]:
+        states = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
+        want = states[outcome]
+        try:
+            rows = self._db.execute(
+                "SELECT id, state, status, error, pass, tries, paid, fetched_at, data FROM items "
+                f"WHERE state IN ({','.join('?' * len(want))}) ORDER BY rowid", want)
+            for item, state, status, error, pass_no, tries, paid, ts, data in rows:
+                kind = "failed" if state == "perm" else state
+                yield Record(kind, item, status=status, error=error, permanent=state == "perm",
+                             pass_no=pass_no or 1, tries=tries or 0, paid=paid, ts=ts or 0.0,
+                             raw=data.encode() if data is not None else None)
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+
+    def in_doubt(self) -> Iterator[tuple[str, bool]]:
+        running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
+        query = "SELECT id, doubt FROM items WHERE doubt IS NOT NULL"
+        if not running:  # a crashed run's open intents, not yet closed by a new run
+            query += " OR sent_run IS NOT NULL"
+        try:
+            for item, doubt in self._db.execute(query + " ORDER BY rowid"):
+                yield item, doubt == 1
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+
+    async def close(self) -> None:
+        def close() -> None:
+            for db in (self._reader, self._db):
+                if db is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.close()
+            self._reader = None
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # releases the lock
+                self._lock_fd = -1
+
+        await asyncio.to_thread(close)
+
+
+def _import_journal(d: Path) -> None:
+    """A state directory of an earlier release: build ``state.db`` from its journal (next to it,
+    renamed into place once complete: a crash or an error leaves no half-imported database),
+    then keep the journal as ``journal.jsonl.imported``."""
+    old = d / JOURNAL
+    if not old.exists():
+        return
+    done = d / (JOURNAL + ".imported")
+    if not (d / DB).exists():
+        tmp = d / (DB + ".import")
+        tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))  # private, like the directory
+        try:
+            n = _build_from_journal(old, tmp)
+            os.replace(tmp, d / DB)
+            fsync_dir(d)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        log.warning("imported the journal %s (%s records) into the state database %s, once; "
+                    "the journal is kept as %s", old, f"{n:,}", d / DB, done.name)
+    elif not _imported(d / DB):
+        raise StorageError(f"both {DB} and {JOURNAL} are here, and the database was not made "
+                           f"from the journal: move one of them away", path=d)
+    os.replace(old, done)
+    fsync_dir(d)
+
+
+def _create(path: Path) -> None:
+    """A new, empty database at ``path``, schema included: made next to it and renamed into
+    place, so that a reader never finds a database without its tables."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.unlink(missing_ok=True)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))  # private, like the directory
+    db = sqlite3.connect(tmp, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode = DELETE")  # one file to rename (WAL from the first open)
+        db.execute("PRAGMA synchronous = FULL")
+        _ensure_schema(db, tmp)
+    finally:
+        db.close()
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _imported(path: Path) -> bool:
+    db = sqlite3.connect(path)
+    try:
+        return db.execute("SELECT 1 FROM meta WHERE key = 'imported_journal'").fetchone() is not None
+    finally:
+        db.close()
+
+
+def _build_from_journal(journal: Path, path: Path) -> int:
+    """Replay the journal at ``journal`` into a new database at ``path``, in one transaction;
+    return the number of records. ``StorageError`` (``JournalCorrupt``) for a damaged journal."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        db.execute("PRAGMA journal_mode = DELETE")
+        db.execute("PRAGMA synchronous = FULL")
+        _ensure_schema(db, path)
+        store = SqliteStore(journal.parent, db)
+        n = 0
+        batch: list[Record] = []
+        db.execute("BEGIN IMMEDIATE")
+        for _, obj in scan(journal):
+            batch.append(Record.decode(obj))
+            if len(batch) >= 10_000:
+                store._apply(batch)
+                n += len(batch)
+                batch = []
+        store._apply(batch)
+        n += len(batch)
+        _close_open_intents(db)  # a last run that crashed
+        db.execute("INSERT OR REPLACE INTO meta VALUES ('imported_journal', ?)",
+                   (orjson.dumps({"records": n, "from": str(journal)}).decode(),))
+        db.execute("COMMIT")
+    except sqlite3.Error as e:
+        raise _storage_error(e, path, "import the journal") from None
+    finally:
+        db.close()
+    return n
+
+
+class _Groups:
+    """A batch's records by kind, as statement parameters (see ``SqliteStore._apply``)."""
+
+    __slots__ = ("billed", "last", "ledger", "outcomes", "sent")
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str | None, int | None]] = []
+        self.outcomes: list[tuple[Any, ...]] = []
+        self.billed: list[tuple[int, str | None]] = []
+        self.ledger: Counter[tuple[str, str, str]] = Counter()
+        self.last: list[Record] = []  # halt, end
+
+
+def _close_open_intents(db: sqlite3.Connection) -> None:
+    db.execute("UPDATE items SET doubt = 0 WHERE sent_run IS NOT NULL AND doubt IS NULL")
+    db.execute("UPDATE items SET sent_run = NULL WHERE sent_run IS NOT NULL")
+
+
+def _data(rec: Record) -> str | None:
+    """An ok record's payload as JSON text: the body as received, or ``data`` serialised."""
+    if rec.raw is not None:
+        return rec.raw.decode("utf-8")
+    return orjson.dumps(rec.data).decode() if rec.data is not None else None
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA synchronous = FULL")  # a commit survives power loss: paid data
+    db.execute("PRAGMA cache_size = -16000")  # 16 MB of page cache per connection
+    return db
+
+
+def _check_version(version: int, path: Path) -> None:
+    if version != SCHEMA_VERSION:
+        raise StorageError(
+            f"the state database has schema version {version}, written by an incompatible "
+            f"asyncrawl version (this one uses {SCHEMA_VERSION}); use a new state directory or "
+            "the matching asyncrawl version", path=path)
+
+
+def _ensure_schema(db: sqlite3.Connection, path: Path) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0 and not db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone():
+        db.executescript("BEGIN IMMEDIATE;" + SCHEMA + f"PRAGMA user_version = {SCHEMA_VERSION};"
+                         "COMMIT;")
+        return
+    _check_version(version, path)
+
+
+__all__ = ["DB", "STATES", "SqliteStore"]

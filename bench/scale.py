@@ -1,0 +1,220 @@
+"""State at scale: what the SQLite store costs at 100 k, 1 M and 10 M IDs.
+
+For each size N it
+
+1. **builds** a state of N IDs through the store's own write path: ``SqliteStore.commit`` from
+   one thread, in batches of 1,024 records as the writer commits them, per ID a ``sent`` intent
+   and an ``ok`` result with a JSON payload of about ``--payload-bytes`` (the first half of the
+   IDs only: the job "crashed" half way), then the second half's intents without results (in
+   flight at the crash). Reported: durable records/s, and the database's size per ID beyond
+   its payload;
+2. **resumes** it: ``asyncrawl run`` on the same IDs file against a local mock API (its own
+   process, no faults) until the first request arrives, then stops it (SIGINT): seconds from
+   the command's start to the first request the server sees, and the process's peak RSS;
+3. **reruns** a complete job (every ID settled: a second state built the same way, all ok):
+   wall time and peak RSS of ``asyncrawl run`` with nothing left to fetch;
+4. ``asyncrawl status --json``: wall and peak RSS;
+5. ``asyncrawl export --format jsonl`` and ``--format ids`` to /dev/null: records per second.
+
+Peak RSS is the child's own (``wait4``). Usage::
+
+    .venv/bin/python bench/scale.py [--sizes 100000,1000000,10000000] [--payload-bytes 1000]
+        [--workdir DIR] [--keep]
+
+The states are large (about N x (payload + 100 B), twice): the work directory must have room
+(10 M IDs of 1 KB: ~25 GB). Absolute times depend on the disk and CPU; compare sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from asyncrawl.records import Record  # noqa: E402
+from asyncrawl.sqlstore import DB  # noqa: E402
+from asyncrawl.store import open_store  # noqa: E402
+from asyncrawl.testing import MockProcess, read_log  # noqa: E402
+
+BATCH = 1024
+KEY = "scale-key"
+
+
+@dataclass
+class Row:
+    n: int
+    db_bytes: int = 0
+    per_id_overhead: float = 0.0  # bytes per ID beyond the payload
+    write_rate: float = 0.0  # durable records/s
+    first_request_s: float = 0.0
+    resume_rss_mb: float = 0.0
+    rerun_s: float = 0.0
+    rerun_rss_mb: float = 0.0
+    status_s: float = 0.0
+    status_rss_mb: float = 0.0
+    export_jsonl_rate: float = 0.0
+    export_ids_rate: float = 0.0
+
+
+def ids_of(n: int) -> list[str]:
+    return [f"id{i:08d}" for i in range(n)]
+
+
+def payload(item: str, size: int) -> bytes:
+    return orjson.dumps({"id": item, "title": f"Item {item}", "body": "x" * max(0, size - 60)})
+
+
+async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, int]:
+    """The state of a job whose first ``settled`` IDs are ok and the rest in flight; returns
+    (durable records/s, records)."""
+    store = await open_store(state)
+    records = 0
+    t0 = time.perf_counter()
+    job = {"method": "GET", "url": "http://127.0.0.1:1/items/{id}", "params": {}}
+
+    def write() -> int:
+        count = 0
+        store.commit([Record("run", extra={"version": "bench", "pid": 0, "job": job})])
+        batch: list[Record] = []
+        for i in range(n):
+            item = f"id{i:08d}"
+            batch.append(Record.sent(item))
+            if i < settled:
+                batch.append(Record.outcome("ok", item, 200, None, False, None, 1, 1, 1,
+                                            payload(item, size)))
+            if len(batch) >= BATCH:
+                store.commit(batch)
+                count += len(batch)
+                batch = []
+        store.commit(batch)
+        return count + len(batch) + 1
+
+    records = await asyncio.to_thread(write)
+    took = time.perf_counter() - t0
+    await store.close()  # crashed: no "end" record
+    return records / took, records
+
+
+def run_child(args: list[str], *, until_first_request: Path | None = None,
+              timeout: float = 3600) -> tuple[float, float, float | None]:
+    """Run ``asyncrawl ARGS``; (wall s, peak RSS MB, s to the first request in the mock log)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrawl", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "SCALE_KEY": KEY})
+    first = None
+    if until_first_request is not None:
+        deadline = t0 + timeout
+        while first is None and time.perf_counter() < deadline and proc.poll() is None:
+            if until_first_request.exists() and until_first_request.stat().st_size:
+                first = time.perf_counter() - t0
+                proc.send_signal(signal.SIGINT)
+                break
+            time.sleep(0.005)
+    _, _, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    return wall, usage.ru_maxrss / 1024, first
+
+
+def measure(n: int, size: int, work: Path) -> Row:
+    row = Row(n)
+    ids = ids_of(n)
+    ids_file = work / f"ids-{n}.txt"
+    ids_file.write_text("".join(f"{i}\n" for i in ids))
+    half = work / f"half-{n}"
+    rate, records = asyncio.run(build(half, n, size, n // 2))
+    row.write_rate = rate
+    row.db_bytes = sum(p.stat().st_size for p in half.glob(DB + "*"))
+    row.per_id_overhead = (row.db_bytes - (n // 2) * len(payload("id00000000", size))) / n
+    print(f"  {n:,} IDs: built {records:,} records at {rate:,.0f} durable records/s; "
+          f"{row.db_bytes / 1e6:,.0f} MB ({row.per_id_overhead:,.0f} B/ID beyond the payload)",
+          flush=True)
+
+    with MockProcess(work / f"mock-{n}.log", "--api-key", KEY, "--faults", "none") as mock:
+        cfg = work / f"scale-{n}.toml"
+        cfg.write_text(f'[request]\nurl = "{mock.item_url}"\n[request.headers]\n'
+                       f'X-Api-Key = "${{SCALE_KEY}}"\n[source]\nids = "{ids_file}"\n'
+                       f'[state]\ndir = "{half}"\nreuse = true\n[limits]\nrate = 1000\n'
+                       'concurrency = 16\n')
+        _, rss, first = run_child(["run", "-c", str(cfg), "--no-progress"],
+                                  until_first_request=mock.log_path)
+        row.first_request_s, row.resume_rss_mb = first or float("nan"), rss
+        print(f"  resume at 50 %: first request after {row.first_request_s:.2f} s, peak RSS "
+              f"{rss:,.0f} MB", flush=True)
+        assert read_log(mock.log_path), "no request reached the mock"
+
+    full = work / f"full-{n}"
+    asyncio.run(build(full, n, size, n))
+    cfg_full = work / f"full-{n}.toml"
+    cfg_full.write_text(f'[request]\nurl = "http://127.0.0.1:1/items/{{id}}"\n[source]\n'
+                        f'ids = "{ids_file}"\n[state]\ndir = "{full}"\nreuse = true\n')
+    row.rerun_s, row.rerun_rss_mb, _ = run_child(["run", "-c", str(cfg_full), "--no-progress"])
+    print(f"  rerun, nothing left: {row.rerun_s:.1f} s, peak RSS {row.rerun_rss_mb:,.0f} MB",
+          flush=True)
+    row.status_s, row.status_rss_mb, _ = run_child(["status", "--state", str(full), "--json"])
+    print(f"  status --json: {row.status_s:.2f} s, peak RSS {row.status_rss_mb:,.0f} MB",
+          flush=True)
+    for fmt in ("jsonl", "ids"):
+        wall, _, _ = run_child(["export", "--state", str(full), "--format", fmt,
+                                "-o", str(work / f"out.{fmt}")])
+        rate = n / wall
+        setattr(row, f"export_{fmt}_rate", rate)
+        (work / f"out.{fmt}").unlink(missing_ok=True)
+        print(f"  export --format {fmt}: {wall:.1f} s = {rate:,.0f} records/s", flush=True)
+    shutil.rmtree(full, ignore_errors=True)
+    shutil.rmtree(half, ignore_errors=True)
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| IDs | DB size | B/ID beyond payload | write (durable rec/s) | resume: first request "
+            "| resume RSS | rerun, nothing left | rerun RSS | status | status RSS | export jsonl "
+            "| export ids |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        lines.append(
+            f"| {r.n:,} | {r.db_bytes / 1e6:,.0f} MB | {r.per_id_overhead:,.0f} | "
+            f"{r.write_rate:,.0f} | {r.first_request_s:.2f} s | {r.resume_rss_mb:,.0f} MB | "
+            f"{r.rerun_s:.1f} s | {r.rerun_rss_mb:,.0f} MB | {r.status_s:.2f} s | "
+            f"{r.status_rss_mb:,.0f} MB | {r.export_jsonl_rate:,.0f}/s | {r.export_ids_rate:,.0f}/s |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="100000,1000000,10000000")
+    p.add_argument("--payload-bytes", type=int, default=1000)
+    p.add_argument("--workdir", help="where the states go (default: a temp dir)")
+    p.add_argument("--keep", action="store_true")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncrawl-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    try:
+        for n in sizes:
+            print(f"{n:,} IDs, payload {args.payload_bytes} B (work dir {work})", flush=True)
+            rows.append(measure(n, args.payload_bytes, work))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

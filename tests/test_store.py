@@ -1,0 +1,315 @@
+"""sqlstore.py: creation, group commit through the writer, what records mean for the state, the
+in-doubt bookkeeping, a damaged or foreign database, and the lock (this process and another)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from asyncrawl import LockedError, StorageError
+from asyncrawl.lockfile import LOCK
+from asyncrawl.records import Counts, Record
+from asyncrawl.sqlstore import DB
+from asyncrawl.store import open_store, read_store
+from asyncrawl.writer import Writer
+
+from .conftest import db_rows, outcomes_of, sends_of
+
+TS = 1_700_000_000.0  # 2023-11-14 UTC
+JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
+
+RECORDS = [
+    Record("run", ts=TS, extra={"version": "t", "pid": 1, "job": JOB}),
+    Record("ok", "a", status=200, data={"title": "Ünïcode ☃", "n": 1}, paid=1, tries=1, ts=TS),
+    Record("failed", "b", status=404, error="HTTP 404", permanent=True, tries=1, ts=TS),
+    Record("failed", "c", status=503, error="HTTP 503", tries=5, ts=TS),
+    Record("ok", "d/ü", status=200, raw=b'{"x": [1, "two", null]}', paid=1, tries=2,
+           ts=TS + 86_400),
+]
+
+
+async def committed(state: Path, *batches: Sequence[Record]) -> None:
+    store = await open_store(state)
+    try:
+        for batch in batches:
+            store.commit(batch)
+    finally:
+        await store.close()
+
+
+async def test_open_creates_a_private_database(tmp_path: Path) -> None:
+    state = tmp_path / "deep" / "state"
+    store = await open_store(state)
+    try:
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        assert stat.S_IMODE((state / DB).stat().st_mode) == 0o600
+        assert (state / LOCK).read_text().strip() == str(os.getpid())
+        assert store.snapshot().counts == Counts()
+        assert db_rows(state, "PRAGMA journal_mode") == [("wal",)]
+    finally:
+        await store.close()
+    assert read_store(state).snapshot().runs == 0
+
+
+async def test_open_on_a_file_is_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "state").write_text("x")
+    with pytest.raises(StorageError, match="not a directory"):
+        await open_store(tmp_path / "state")
+
+
+async def test_writer_group_commits_and_reports_after_the_commit(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = await open_store(state)
+    seen_at_commit: list[dict[str, str]] = []
+    batches: list[list[Record]] = []
+
+    def on_commit(batch: list[Record]) -> None:
+        seen_at_commit.append(outcomes_of(state))  # another connection already sees it
+        batches.append(batch)
+
+    errors: list[StorageError] = []
+    w = Writer(store, on_commit=on_commit, on_error=errors.append)
+    for r in RECORDS:
+        w.put(r)
+    w.close()
+    await w.run()
+    await store.close()
+    assert errors == []
+    assert batches == [RECORDS]  # everything queued before the writer ran: one commit
+    assert (w.commits, w.written) == (1, len(RECORDS))
+    assert seen_at_commit == [{"a": "ok", "b": "failed", "c": "failed", "d/ü": "ok"}]
+
+    snap = read_store(state).snapshot()
+    assert snap.runs == 1 and snap.job == JOB
+    assert snap.counts == Counts(ok=2, failed=2, unavailable=0)
+    assert snap.billable_by_day == {"2023-11-14": 1, "2023-11-15": 1}
+    assert snap.ledger == (("2023-11-14", "api.example.com/v1/notes/{id}", 1),
+                           ("2023-11-15", "api.example.com/v1/notes/{id}", 1))
+    ok = {r.id: r.payload for r in read_store(state).records("ok")}
+    assert ok == {"a": {"title": "Ünïcode ☃", "n": 1}, "d/ü": {"x": [1, "two", None]}}
+    failed = {r.id: (r.status, r.permanent) for r in read_store(state).records("failed")}
+    assert failed == {"b": (404, True), "c": (503, False)}
+
+
+async def test_ok_is_final_and_later_bills_still_count(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    await committed(state, RECORDS[:2], [
+        Record("failed", "a", status=503, error="HTTP 503", ts=TS),  # after ok: ignored ...
+        Record("ok", "a", status=200, data={"second": True}, paid=1, ts=TS),  # ... a 2nd payload too
+        Record("failed", "b", status=503, error="HTTP 503", ts=TS),
+        Record("unavailable", "b", status=404, error="HTTP 404", permanent=True, ts=TS),
+        Record("billed", "z", paid=2, ts=TS),  # an unsettled ID's bill
+    ])
+    assert outcomes_of(state) == {"a": "ok", "b": "unavailable"}
+    assert next(read_store(state).records("ok")).payload == {"title": "Ünïcode ☃", "n": 1}
+    snap = read_store(state).snapshot()
+    assert snap.counts == Counts(ok=1, failed=0, unavailable=1)  # the tally follows every change
+    assert snap.billable == 1 + 1 + 2
+    assert db_rows(state, "SELECT paid FROM items WHERE id = 'a'") == [(2,)]
+
+
+async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    run = Record("run", ts=TS, extra={"job": JOB})
+    store = await open_store(state)
+    store.commit([run, Record.sent("x"), Record.sent("y"), Record.sent("z")])
+    store.commit([Record("ok", "x", status=200, data=1, paid=1, ts=TS)])
+    snap = store.snapshot()  # our own run is going: y and z are in flight, not in doubt
+    assert (snap.in_flight, snap.in_doubt) == (2, 0)
+    os.close(store._lock_fd)  # the process dies: its lock goes, nothing more is written
+    store._lock_fd = -1
+    snap = read_store(state).snapshot()
+    assert (snap.in_flight, snap.in_doubt, snap.sent) == (0, 2, 3)
+    assert dict(read_store(state).in_doubt()) == {"y": False, "z": False}
+    await store.close()
+
+    store = await open_store(state)  # the next run closes the crashed one
+    store.commit([run, Record.sent("y")])
+    store.commit([Record("ok", "y", status=200, data=1, paid=1, ts=TS),
+                  Record.sent("w"), Record("end", ts=TS, extra={"in_doubt": ["w"]})])
+    await store.close()
+    assert dict(read_store(state).in_doubt()) == {"y": True, "z": False, "w": False}
+    snap = read_store(state).snapshot()
+    assert (snap.in_doubt, snap.billed_twice, snap.in_flight) == (2, 1, 0)
+    assert sends_of(state) == {"x": 1, "y": 2, "z": 1, "w": 1}
+
+
+async def test_a_run_dedups_its_ids_in_the_database_and_counts_them(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    await committed(state, [RECORDS[0], RECORDS[1], RECORDS[2]])  # a ok, b failed
+    store = await open_store(state)
+    try:
+        fresh, dups = await store.admit(["a", "b", "n1", "a", "n2", "n1"])
+        assert fresh == [("a", "ok"), ("b", "perm"), ("n1", None), ("n2", None)] and dups == 2
+        fresh, dups = await store.admit(["n2", "n3"])
+        assert fresh == [("n3", None)] and dups == 1
+        assert await store.run_counts() == Counts(ok=1, failed=1, unavailable=0, pending=3)
+    finally:
+        await store.close()
+    store = await open_store(state)  # a new run sees every ID afresh
+    try:
+        fresh, dups = await store.admit(["n1", "a"])
+        assert [i for i, _ in fresh] == ["n1", "a"] and dups == 0
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "zeroed page"])
+async def test_a_damaged_database_is_a_clear_storage_error_and_left_alone(
+        tmp_path: Path, damage: str) -> None:
+    state = tmp_path / "state"
+    await committed(state, [RECORDS[0], *(Record("ok", f"i{n}", data={"pad": "x" * 500}, ts=TS)
+                                          for n in range(200))])
+    path = state / DB
+    data = bytearray(path.read_bytes())
+    if damage == "garbage":
+        data[:100] = b"\x07" * 100  # the header
+    else:
+        data[4096:8192] = bytes(4096)  # a page of the items table
+    path.write_bytes(bytes(data))
+    for attempt in (lambda: open_store(state), lambda: _read_all(state)):
+        with pytest.raises(StorageError) as e:
+            await attempt()
+        assert str(path) in str(e.value)
+        assert "damaged" in str(e.value) or "not a database" in str(e.value)
+    assert path.read_bytes() == bytes(data)  # nothing "repaired" away
+
+
+async def _read_all(state: Path) -> None:
+    store = read_store(state)
+    store.snapshot()
+    list(store.records("ok"))
+
+
+async def test_a_database_of_another_schema_version_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    await committed(state, RECORDS[:2])
+    db = sqlite3.connect(state / DB)
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    with pytest.raises(StorageError, match=r"schema version 99.*incompatible"):
+        await open_store(state)
+    with pytest.raises(StorageError, match="schema version 99"):
+        read_store(state)
+
+
+# -- the lock ------------------------------------------------------------------------------------
+
+
+async def test_lock_in_this_process(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = await open_store(state)
+    try:
+        with pytest.raises(LockedError) as e:
+            await open_store(state)
+        assert f"pid {os.getpid()}" in str(e.value) and str(state) in str(e.value)
+        assert e.value.exit_code == 2
+    finally:
+        await first.close()
+    second = await open_store(state)
+    await second.close()
+
+
+HOLDER = textwrap.dedent("""
+    import asyncio, sys
+    from asyncrawl.store import open_store
+
+    async def main():
+        s = await open_store(sys.argv[1])
+        print("locked", flush=True)
+        await asyncio.sleep(60)
+        await s.close()
+
+    asyncio.run(main())
+""")
+
+
+def test_lock_held_by_another_process(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(state)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(LockedError) as e:
+            asyncio.run(open_store(state))
+        assert f"pid {proc.pid}" in str(e.value)
+        assert read_store(state).snapshot().running == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+    # the holder died without closing: the kernel released its flock
+    asyncio.run(committed(state))
+    assert (state / LOCK).read_text().strip() == str(os.getpid())
+
+
+# -- the writer (generic over the store) ---------------------------------------------------------
+
+
+class FailingStore:
+    """A store whose commits fail from the ``fail_at``-th on (the writer's contract, alone)."""
+
+    location = "/nowhere"
+    job = None
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.calls = fail_at, 0
+        self.kept: list[Record] = []
+
+    def commit(self, records: Sequence[Record]) -> None:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise StorageError("cannot write the state database: disk I/O error", path=self.location)
+        self.kept += records
+
+
+async def test_writer_storage_error_stops_writing() -> None:
+    store = FailingStore(fail_at=2)
+    committed_: list[Record] = []
+    errors: list[StorageError] = []
+    w = Writer(store, on_commit=committed_.extend, on_error=errors.append)  # type: ignore[arg-type]
+    task = asyncio.create_task(w.run())
+    assert await w.commit(RECORDS[0]) is True
+    assert await w.commit(RECORDS[1]) is False  # its batch failed: not durable, and said so
+    assert await w.commit(RECORDS[2]) is False  # nothing is tried after a failure
+    w.close()
+    await task
+    assert store.calls == 2 and len(errors) == 1 and w.failed is errors[0]
+    assert committed_ == store.kept == [RECORDS[0]]
+
+
+async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path: Path) -> None:
+    """A batch nobody waits for lingers for company (fewer wake-ups of the writer's thread); a
+    record somebody waits for cuts the lingering short."""
+    store = await open_store(tmp_path / "state")
+    batches: list[list[str | None]] = []
+    w = Writer(store, on_commit=lambda b: batches.append([r.id for r in b]), on_error=print,
+               linger=30)
+    task = asyncio.create_task(w.run())
+    w.put(Record("ok", "a", ts=TS))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not w._lingering:  # the thread took "a" and waits for company
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    w.put(Record("ok", "b", ts=TS))
+    started = loop.time()
+    assert await w.commit(Record("sent", "c", ts=TS)) is True
+    assert loop.time() - started < 15  # not the 30 s linger: the commit woke the writer
+    w.close()
+    await task
+    await store.close()
+    assert batches == [["a", "b", "c"]]  # one transaction for the three
+
+
