@@ -447,8 +447,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(summary_text(summary, total=total, errors=errors))
         print(f"  mock API   {len(api.log) // 2:,} requests seen, {paid:,} paid answers "
               f"(= ok fetched: {'yes' if paid == summary.fetched else 'NO'})")
+        db = Path(state) / "state.db"
+        print(f"  state file {db} (SQLite; its results view: one row per settled ID)")
         print(f"\ntry: asyncrawl status --state {state}\n     "
-              f"asyncrawl export --state {state} --outcome unavailable")
+              f"asyncrawl export --state {state} --outcome unavailable\n     "
+              f"sqlite3 -readonly {db} \"SELECT outcome, count(*) FROM results GROUP BY 1\"")
         return summary
 
     t0 = time.monotonic()

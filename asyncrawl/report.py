@@ -150,20 +150,79 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         raise ConfigError(f"--outcome must be one of {', '.join(EXPORT_OUTCOMES)}")
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "ids" and outcome != "in-doubt":
+        blocks = read_store(Path(config.state_dir)).ids(outcome)
+        if path is None:
+            assert out is not None
+            return _write_ids(blocks, out)
+        return _atomically(Path(path), lambda f: _write_ids(blocks, f))
+    if fmt == "jsonl" and outcome == "ok":
+        recs = read_store(Path(config.state_dir)).records("ok")
+        if path is None:
+            assert out is not None
+            return _write_ok_jsonl(recs, out)
+        return _atomically(Path(path), lambda f: _write_ok_jsonl(recs, f))
     records = _records(Path(config.state_dir), outcome)
     if path is None:
         assert out is not None
         return _write(records, outcome, fmt, fields, out)
-    # atomic: a temp file next to the target, fsynced, then renamed over it; readers of the
-    # target see the old file or the complete new one, never a partial export
-    target = Path(path)
+    return _atomically(Path(path), lambda f: _write(records, outcome, fmt, fields, f))
+
+
+def _write_ok_jsonl(records: Iterator[Record], out: TextIO) -> int:
+    """``{"id": ..., "data": ...}`` lines, the payload spliced in as stored (it is the JSON the
+    API sent, and it parsed) rather than parsed and serialised again; to the binary stream
+    under ``out`` when there is one."""
+    binary = getattr(out, "buffer", None)
+    if binary is not None:
+        out.flush()
+    dumps = orjson.dumps
+    n = size = 0
+    lines: list[bytes] = []
+    for rec in records:
+        raw = rec.raw
+        if raw is None or b"\n" in raw or b"\r" in raw:
+            line = dumps({"id": rec.id, "data": rec.payload}) + b"\n"
+        else:
+            line = b'{"id":' + dumps(rec.id) + b',"data":' + raw.strip() + b"}\n"
+        lines.append(line)
+        size += len(line)
+        if size >= 1 << 18:  # written in blocks of 256 KiB: memory stays flat
+            n += _put(lines, out, binary)
+            size = 0
+    return n + _put(lines, out, binary)
+
+
+def _put(lines: list[bytes], out: TextIO, binary: Any) -> int:
+    n = len(lines)
+    if n:
+        data = b"".join(lines)
+        if binary is not None:
+            binary.write(data)
+        else:
+            out.write(data.decode("utf-8"))
+        lines.clear()
+    return n
+
+
+def _write_ids(blocks: Iterator[list[str]], out: TextIO) -> int:
+    n = 0
+    for block in blocks:
+        n += len(block)
+        out.write("\n".join(block) + "\n")
+    return n
+
+
+def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
+    """``write`` to a temp file next to ``target``, fsync it, rename it over the target:
+    readers of the target see the old file or the complete new one, never a partial export."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     except OSError as e:
         raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            n = _write(records, outcome, fmt, fields, f)
+            n = write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

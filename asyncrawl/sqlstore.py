@@ -15,7 +15,8 @@ Tables (``records.py`` says what each record means)::
 
     items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
-        failed, perm, unavailable; ``data`` the ok payload as JSON text; ``sent_run`` the run
+        failed, perm, unavailable; ``data`` the ok payload as JSON (UTF-8, a blob that the
+        ``results`` view casts to text); ``sent_run`` the run
         whose ``sent`` intent has no outcome yet; ``sends`` the requests ever sent for it;
         ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
         doubt and fetched ok since: possibly billed twice)
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import sqlite3
@@ -71,12 +74,11 @@ CREATE TABLE items (
     tries INTEGER,
     paid INTEGER NOT NULL DEFAULT 0,
     fetched_at REAL,
-    data TEXT,
+    data BLOB,
     sent_run INTEGER,
     sends INTEGER NOT NULL DEFAULT 0,
     doubt INTEGER
 );
-CREATE INDEX items_state ON items (state) WHERE state IS NOT NULL;
 CREATE INDEX items_sent ON items (sent_run) WHERE sent_run IS NOT NULL;
 CREATE INDEX items_doubt ON items (doubt) WHERE doubt IS NOT NULL;
 CREATE TABLE runs (
@@ -99,7 +101,7 @@ WHEN OLD.state IS NOT NEW.state BEGIN
 END;
 CREATE VIEW results AS
     SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status, error,
-           fetched_at, data
+           fetched_at, CAST(data AS TEXT) AS data
     FROM items WHERE state IS NOT NULL;
 """
 
@@ -107,7 +109,7 @@ CREATE VIEW results AS
 # only their bill), and it ends the ID's open "sent" intent.
 UPSERT_OUTCOME = """
 INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, data)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+VALUES {values}
 ON CONFLICT (id) DO UPDATE SET
     state = iif(state = 'ok', 'ok', excluded.state),
     status = iif(state = 'ok', status, excluded.status),
@@ -121,11 +123,11 @@ ON CONFLICT (id) DO UPDATE SET
     doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
 """
 UPSERT_SENT = """
-INSERT INTO items (id, sent_run, sends) VALUES (?, ?, 1)
+INSERT INTO items (id, sent_run, sends) VALUES {values}
 ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
 """
 ADD_LEDGER = """
-INSERT INTO ledger (day, endpoint, sent, billable) VALUES (?, ?, ?, ?)
+INSERT INTO ledger (day, endpoint, sent, billable) VALUES {values}
 ON CONFLICT (day, endpoint) DO UPDATE SET
     sent = sent + excluded.sent, billable = billable + excluded.billable
 """
@@ -158,6 +160,7 @@ class SqliteStore:
         self._run: int | None = None
         self._endpoint = ""
         self._dead = False
+        self._day = (-1, "")  # (days since the epoch, UTC date) of the last record applied
         self.job: dict[str, Any] | None = self._meta_json("job")
 
     def __repr__(self) -> str:
@@ -336,11 +339,14 @@ class SqliteStore:
         group; ``halt`` and ``end`` after the rest, and a ``run`` record (an imported journal
         holds many) after everything before it."""
         groups = _Groups()
+        day = self._day
         for rec in records:
             kind = rec.kind
+            if int(rec.ts // 86400) != day[0]:  # the UTC date, computed once a day
+                day = self._day = (int(rec.ts // 86400), utc_day(rec.ts))
             if kind == "sent":
-                groups.sent.append((rec.id, self._run))
-                groups.ledger[(utc_day(rec.ts), self._endpoint, "sent")] += 1
+                groups.sent.append((rec.id, self._run, 1))
+                groups.ledger[(day[1], self._endpoint, "sent")] += 1
             elif kind in OUTCOME_KINDS:
                 groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
                                         rec.tries, rec.paid, rec.ts,
@@ -354,21 +360,22 @@ class SqliteStore:
             else:
                 groups.last.append(rec)
             if rec.paid:
-                groups.ledger[(utc_day(rec.ts), self._endpoint, "billable")] += rec.paid
+                groups.ledger[(day[1], self._endpoint, "billable")] += rec.paid
         self._flush(groups)
 
     def _flush(self, g: _Groups) -> None:
-        db = self._db
+        """One statement per group (multi-row VALUES): SQLite does the rows in one call that
+        runs without the GIL, instead of giving it back and taking it again for every row."""
         if g.sent:
-            db.executemany(UPSERT_SENT, g.sent)
+            _many(self._db, UPSERT_SENT, g.sent)
         if g.outcomes:
-            db.executemany(UPSERT_OUTCOME, g.outcomes)
+            _many(self._db, UPSERT_OUTCOME, g.outcomes)
         if g.billed:
-            db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
+            self._db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
         if g.ledger:
-            db.executemany(ADD_LEDGER, [(day, ep, n if what == "sent" else 0,
-                                         n if what == "billable" else 0)
-                                        for (day, ep, what), n in g.ledger.items()])
+            _many(self._db, ADD_LEDGER, [(day, ep, n if what == "sent" else 0,
+                                          n if what == "billable" else 0)
+                                         for (day, ep, what), n in g.ledger.items()])
         for rec in g.last:
             self._end_run(rec)
 
@@ -441,11 +448,23 @@ class SqliteStore:
             rows = self._db.execute(
                 "SELECT id, state, status, error, pass, tries, paid, fetched_at, data FROM items "
                 f"WHERE state IN ({','.join('?' * len(want))}) ORDER BY rowid", want)
+            make = tuple.__new__  # (Record's keyword constructor costs more than the row)
             for item, state, status, error, pass_no, tries, paid, ts, data in rows:
-                kind = "failed" if state == "perm" else state
-                yield Record(kind, item, status=status, error=error, permanent=state == "perm",
-                             pass_no=pass_no or 1, tries=tries or 0, paid=paid, ts=ts or 0.0,
-                             raw=data.encode() if data is not None else None)
+                yield make(Record, ("failed" if state == "perm" else state, item, status, error,
+                                    state == "perm", None, pass_no or 1, tries or 0, paid,
+                                    ts or 0.0, None, data))
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
+
+    def ids(self, outcome: str) -> Iterator[list[str]]:
+        """The IDs of ``records(outcome)``, in the same order, a block at a time."""
+        states = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
+        want = states[outcome]
+        try:
+            cur = self._db.execute(f"SELECT id FROM items WHERE state IN ({','.join('?' * len(want))}) "
+                                   "ORDER BY rowid", want)
+            while rows := cur.fetchmany(4096):
+                yield [row[0] for row in rows]
         except sqlite3.Error as e:
             raise _storage_error(e, self.path, "read the state database") from None
 
@@ -564,11 +583,28 @@ class _Groups:
     __slots__ = ("billed", "last", "ledger", "outcomes", "sent")
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str | None, int | None]] = []
+        self.sent: list[tuple[str | None, int | None, int]] = []
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
         self.ledger: Counter[tuple[str, str, str]] = Counter()
         self.last: list[Record] = []  # halt, end
+
+
+ROWS_PER_STATEMENT = 256  # x at most 9 parameters: well below SQLite's limit of 32,766
+
+
+@functools.lru_cache(maxsize=64)
+def _sql(template: str, rows: int, width: int) -> str:
+    row = "(" + ",".join("?" * width) + ")"
+    return template.format(values=",".join([row] * rows))
+
+
+def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]) -> None:
+    """Run ``template`` (``... VALUES {values} ...``) over ``rows``, many rows per statement."""
+    width = len(rows[0])
+    for i in range(0, len(rows), ROWS_PER_STATEMENT):
+        part = rows[i:i + ROWS_PER_STATEMENT]
+        db.execute(_sql(template, len(part), width), list(itertools.chain.from_iterable(part)))
 
 
 def _close_open_intents(db: sqlite3.Connection) -> None:
@@ -576,11 +612,11 @@ def _close_open_intents(db: sqlite3.Connection) -> None:
     db.execute("UPDATE items SET sent_run = NULL WHERE sent_run IS NOT NULL")
 
 
-def _data(rec: Record) -> str | None:
-    """An ok record's payload as JSON text: the body as received, or ``data`` serialised."""
+def _data(rec: Record) -> bytes | None:
+    """An ok record's payload as JSON (UTF-8): the body as received, or ``data`` serialised."""
     if rec.raw is not None:
-        return rec.raw.decode("utf-8")
-    return orjson.dumps(rec.data).decode() if rec.data is not None else None
+        return rec.raw
+    return orjson.dumps(rec.data) if rec.data is not None else None
 
 
 def _connect(path: Path) -> sqlite3.Connection:

@@ -22,6 +22,7 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``snapshot()``             the figures of ``status`` (``records.Snapshot``), from indexes
 ``records(outcome)``       stream the records to export: ``ok`` (each ID's result, once),
                            ``failed`` or ``unavailable`` (each such ID's latest outcome record)
+``ids(outcome)``           the IDs of ``records(outcome)``, a block (list) at a time
 ``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off
 ``close()``                release the lock and the files (awaitable)
 =========================  ==========================================================================
@@ -56,6 +57,8 @@ class Store(Protocol):
     def snapshot(self) -> Snapshot: ...
 
     def records(self, outcome: str) -> Iterator[Record]: ...
+
+    def ids(self, outcome: str) -> Iterator[list[str]]: ...
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]: ...
 

@@ -4,10 +4,9 @@ For each size N it
 
 1. **builds** a state of N IDs through the store's own write path: ``SqliteStore.commit`` from
    one thread, in batches of 1,024 records as the writer commits them, per ID a ``sent`` intent
-   and an ``ok`` result with a JSON payload of about ``--payload-bytes`` (the first half of the
-   IDs only: the job "crashed" half way), then the second half's intents without results (in
-   flight at the crash). Reported: durable records/s, and the database's size per ID beyond
-   its payload;
+   and an ``ok`` result with a JSON payload of about ``--payload-bytes`` for the first half of
+   the IDs, then 64 intents without results (in flight when the job "crashed" half way).
+   Reported: durable records/s, and the database's size per ID beyond its payload;
 2. **resumes** it: ``asyncrawl run`` on the same IDs file against a local mock API (its own
    process, no faults) until the first request arrives, then stops it (SIGINT): seconds from
    the command's start to the first request the server sees, and the process's peak RSS;
@@ -51,6 +50,7 @@ from asyncrawl.testing import MockProcess, read_log  # noqa: E402
 
 BATCH = 1024
 KEY = "scale-key"
+TIME = "/usr/bin/time"  # GNU time (Debian: apt-get install time)
 
 
 @dataclass
@@ -78,8 +78,8 @@ def payload(item: str, size: int) -> bytes:
 
 
 async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, int]:
-    """The state of a job whose first ``settled`` IDs are ok and the rest in flight; returns
-    (durable records/s, records)."""
+    """The state of a job whose first ``settled`` IDs are ok and the next 64 in flight (sent,
+    no result) when it crashed; returns (durable records/s, records)."""
     store = await open_store(state)
     records = 0
     t0 = time.perf_counter()
@@ -89,7 +89,7 @@ async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, in
         count = 0
         store.commit([Record("run", extra={"version": "bench", "pid": 0, "job": job})])
         batch: list[Record] = []
-        for i in range(n):
+        for i in range(min(n, settled + 64)):
             item = f"id{i:08d}"
             batch.append(Record.sent(item))
             if i < settled:
@@ -110,23 +110,29 @@ async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, in
 
 def run_child(args: list[str], *, until_first_request: Path | None = None,
               timeout: float = 3600) -> tuple[float, float, float | None]:
-    """Run ``asyncrawl ARGS``; (wall s, peak RSS MB, s to the first request in the mock log)."""
+    """Run ``asyncrawl ARGS``; (wall s, peak RSS MB, s to the first request in the mock log).
+    The peak RSS is measured by GNU time (``/usr/bin/time``): a child forked from this big
+    process would report this process's size as its own high-water mark."""
+    rss_file = Path(tempfile.mkstemp(prefix="rss-")[1])
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrawl", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "SCALE_KEY": KEY})
+    proc = subprocess.Popen([TIME, "-f", "%M", "-o", str(rss_file), sys.executable, "-m",
+                             "asyncrawl", *args], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "SCALE_KEY": KEY})
     first = None
     if until_first_request is not None:
         deadline = t0 + timeout
         while first is None and time.perf_counter() < deadline and proc.poll() is None:
             if until_first_request.exists() and until_first_request.stat().st_size:
                 first = time.perf_counter() - t0
-                proc.send_signal(signal.SIGINT)
+                for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                    os.kill(int(child), signal.SIGINT)  # the run under GNU time
                 break
             time.sleep(0.005)
-    _, _, usage = os.wait4(proc.pid, 0)
+    proc.wait(timeout)
     wall = time.perf_counter() - t0
-    return wall, usage.ru_maxrss / 1024, first
+    rss_kb = int(rss_file.read_text().split()[-1] or 0)
+    rss_file.unlink()
+    return wall, rss_kb / 1024, first
 
 
 def measure(n: int, size: int, work: Path) -> Row:
