@@ -29,7 +29,8 @@ from .errors import AsyncrawlError, ConfigError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import SETTLED
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
-from .source import CHUNK_IDS, file_ids, prescan_file
+from .source import CHUNK_IDS, IdsFile, file_identity, file_ids, prescan_file
+from .sqlstore import DB
 from .store import read_store
 from .types import Progress, Summary
 
@@ -282,7 +283,7 @@ async def _run(config: Config, *, ids_path: str, progress: bool,
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
     try:
         async with crawler:
-            summary = await crawler.run(file_ids(ids_path))
+            summary = await crawler.run(IdsFile(ids_path, total))
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
@@ -339,7 +340,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         if ids_path == "-":
             ids_path = spooled = _spool_stdin()
         try:
-            total = prescan_file(ids_path)
+            # an IDs file the state has read before, unchanged, is not checked and counted again
+            total = None if spooled else _known_lines(config, ids_path)
+            if total is None:
+                total = prescan_file(ids_path)
             if spooled:
                 config = config.with_overrides(ids=None)
             if args.dry_run:
@@ -356,6 +360,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+def _known_lines(config: Config, ids_path: str) -> int | None:
+    if not (Path(config.state_dir) / DB).exists():
+        return None
+    try:
+        return read_store(config.state_dir).source_lines(file_identity(ids_path))
+    except (AsyncrawlError, OSError):
+        return None  # checked again below, with the error a user can act on
 
 
 def _dry_run(config: Config, ids_path: str) -> int:

@@ -119,10 +119,10 @@ class Crawler:
         if ids is None:
             if not cfg.ids or cfg.ids == "-":
                 raise AsyncrawlError("no IDs: pass ids= or set [source] ids to a file")
-            ids = IdsFile(cfg.ids)
+            ids = IdsFile(cfg.ids, self.total)
             if self.total is None:
-                run.meter.total = await asyncio.to_thread(prescan_file, cfg.ids)
-        source = ids.chunks() if isinstance(ids, IdsFile) else id_chunks(ids)
+                ids.lines = run.meter.total = await asyncio.to_thread(prescan_file, cfg.ids)
+        source = ids if isinstance(ids, IdsFile) else id_chunks(ids)
         store = await open_store(cfg.state_dir)
         try:
             check_job(cfg, store.job)

@@ -26,6 +26,7 @@ class Item:
     unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
     suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
     sent: bool = False  # sent at least once in this pass (even if the try was not charged)
+    block: int = -1  # the block of the IDs file it was read in (pass 1 of a file), else -1
 
 
 class IdQueue:

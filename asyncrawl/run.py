@@ -43,7 +43,7 @@ from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .live import Gauges, Meter, Tally, tick
 from .records import SETTLED, Record
-from .source import CHUNK_IDS
+from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
 from .worker import Ledger, Stop, Worker, outcome_record
@@ -52,6 +52,10 @@ from .writer import Writer
 log = logging.getLogger("asyncrawl")
 
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
+
+# IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
+# and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
+Chunk = tuple[list[str], int, dict[str, int] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +88,7 @@ class Run:
         # nothing about the upstream now), or already sold unusable answers (pass 2)
         self.history: dict[str, Item] = {}
         self._workers: Worker | None = None
+        self.resumed = False  # read an unchanged IDs file on from the state's frontier
         self._answered = False
         self._incurable = collections.Counter[ErrorKind]()
 
@@ -120,8 +125,9 @@ class Run:
     # -- the run -------------------------------------------------------------------------------
 
     async def execute(self, store: Store, session: aiohttp.ClientSession,
-                      source: AsyncIterator[list[str]]) -> Summary:
-        """Fetch every unsettled ID of ``source`` into ``store``."""
+                      source: IdsFile | AsyncIterator[list[str]]) -> Summary:
+        """Fetch every unsettled ID of ``source`` (an IDs file, or chunks of IDs) into
+        ``store``."""
         cfg = self.config
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
@@ -129,11 +135,15 @@ class Run:
         ticker = asyncio.create_task(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every),
             name="asyncrawl-progress")
+        ident = None
+        if isinstance(source, IdsFile):
+            ident = await asyncio.to_thread(file_identity, source.path)
+            ident["lines"] = source.lines if source.lines is not None else self.meter.total
         writer.put(Record("run", extra={"version": __version__, "pid": os.getpid(),
-                                        "job": cfg.job_identity()}))
+                                        "job": cfg.job_identity(), "source": ident}))
         error: BaseException | None = None
         try:
-            await self._passes(self._first_pass_ids(source, store), session, writer)
+            await self._passes(self._first_pass_ids(source, store, ident), session, writer)
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -150,7 +160,7 @@ class Run:
                 self.hooks.on_halt(halt, summary)
         return summary
 
-    async def _passes(self, first: AsyncIterator[list[str]], session: aiohttp.ClientSession,
+    async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
                       writer: Writer) -> None:
         cfg, hooks = self.config, self.hooks
         self.governor = Governor(
@@ -189,27 +199,64 @@ class Run:
             ticker.cancel()
             await _finish(ticker)
 
-    async def _first_pass_ids(self, source: AsyncIterator[list[str]],
-                              store: Store) -> AsyncIterator[list[str]]:
+    async def _first_pass_ids(self, source: IdsFile | AsyncIterator[list[str]], store: Store,
+                              ident: dict[str, Any] | None) -> AsyncIterator[Chunk]:
         """The source's IDs minus duplicates and what earlier runs settled (the store dedups:
-        memory does not grow with the list)."""
+        memory does not grow with the list). A file the state has seen unchanged is read on
+        from its frontier, after what the state holds unsettled before it."""
+        if not isinstance(source, IdsFile):
+            async for chunk in source:
+                todo, _ = await self._admit(chunk, store)
+                if todo:
+                    yield todo, -1, None
+            return
+        assert ident is not None
+        start = await asyncio.to_thread(store.resume_point, ident)
+        unique, line, offset = 0, 0, 0
+        if start is not None:
+            self.resumed = True
+            unique, line, offset = start["unique"], start["line"], start["offset"]
+            log.info("%s is unchanged since the last run: reading it on from line %s (the state "
+                     "holds everything before it)", source.path, f"{line + 1:,}")
+            self.tally.duplicates += start["dups"]
+            taken = 0
+            held = await asyncio.to_thread(list, store.unsettled())
+            for chunk in held:  # before the frontier: from the state, not the file
+                todo, _ = await self._admit(chunk, store)
+                taken += len(todo)
+                if todo:
+                    yield todo, -1, None
+            self.tally.skipped += max(0, unique - taken)
+        block = 0
+        async for chunk, at in source.marked_chunks(offset, line):
+            todo, fresh = await self._admit(chunk, store) if chunk else ([], 0)
+            unique += fresh
+            mark = None
+            if at is not None:
+                mark = {"offset": at[0], "line": at[1], "unique": unique,
+                        "dups": self.tally.duplicates}
+            yield todo, block, mark
+            if mark is not None:
+                block += 1
+
+    async def _admit(self, chunk: list[str], store: Store) -> tuple[list[str], int]:
+        """Of a chunk, the IDs to fetch (not seen before in this run, not settled), and how
+        many were not seen before."""
         tally, history = self.tally, self.history
-        async for chunk in source:
-            fresh, duplicates = await store.admit(chunk)
-            tally.duplicates += duplicates
-            todo = []
-            for item, was in fresh:
-                if was in SETTLED:
-                    tally.skipped += 1
-                    continue
-                if was is not None:  # failed in an earlier run
-                    history[item] = Item(item, suspect=True)
-                todo.append(item)
-            if todo:
-                yield todo
+        fresh, duplicates = await store.admit(chunk)
+        tally.duplicates += duplicates
+        todo = []
+        for item, was in fresh:
+            if was in SETTLED:
+                tally.skipped += 1
+                continue
+            if was is not None:  # failed in an earlier run
+                history[item] = Item(item, suspect=True)
+            todo.append(item)
+        return todo, len(fresh)
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
-                               writer: Writer) -> AsyncIterator[list[str]]:
+                               writer: Writer) -> AsyncIterator[Chunk]:
         """Pass 1's failures, minus those not to try again: settled unavailable at once."""
         cfg = self.config
         chunk: list[str] = []
@@ -224,19 +271,19 @@ class Run:
                 self.history[item] = Item(item, unusable=unusable)
             chunk.append(item)
             if len(chunk) >= CHUNK_IDS:
-                yield chunk
+                yield chunk, -1, None
                 chunk = []
         if chunk:
-            yield chunk
+            yield chunk, -1, None
 
-    async def _pass(self, pass_no: int, ids: AsyncIterator[list[str]], fetcher: Fetcher,
+    async def _pass(self, pass_no: int, ids: AsyncIterator[Chunk], fetcher: Fetcher,
                     budget: Budget, writer: Writer) -> Ledger:
         cfg, gov = self.config, self.governor
         assert gov is not None  # made by _passes, before the first pass
         self.pass_no = pass_no
         queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
         parking = Parking(queue)
-        ledger = Ledger()
+        ledger = Ledger(writer if pass_no == 1 else None)
         workers = self._workers = Worker(
             config=cfg, pass_no=pass_no, queue=queue, parking=parking, ledger=ledger,
             governor=gov, budget=budget, fetcher=fetcher, sink=writer, stop=self.stop,
@@ -275,17 +322,19 @@ class Run:
                 raise exc
         return ledger
 
-    async def _produce(self, ids: AsyncIterator[list[str]], queue: IdQueue, ledger: Ledger) -> None:
+    async def _produce(self, ids: AsyncIterator[Chunk], queue: IdQueue, ledger: Ledger) -> None:
         stop, history = self.stop, self.history
-        async for chunk in ids:
+        async for chunk, block, mark in ids:
             for item in chunk:
                 if stop.is_set():
                     break
-                it = history.pop(item) if item in history else Item(item)
+                it = history.pop(item) if item in history else Item(item, block=block)
                 ledger.take(it)
                 await queue.put(it)
             if stop.is_set():
                 break
+            if mark is not None:
+                ledger.block_read(block, mark)
         ledger.fed()
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]], workers: Worker) -> None:
@@ -347,7 +396,7 @@ class Run:
 
     async def _summary(self, store: Store) -> Summary:
         """This run's IDs by their state now (IDs settled by earlier runs included)."""
-        c = await store.run_counts()
+        c = await store.run_counts(whole=self.resumed)
         t = self.tally
         return Summary(ok=c.ok, failed=c.failed, unavailable=c.unavailable, pending=c.pending,
                        fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import unicodedata
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import aiofiles
 
@@ -91,14 +92,25 @@ def prescan_file(path: str) -> int:
     return n
 
 
+def file_identity(path: str) -> dict[str, Any]:
+    """What tells one IDs file from another, or from itself after a change: its real path,
+    size, modification time and inode. A resumed job may skip the part of the file its state
+    has covered only while this is unchanged."""
+    st = os.stat(path)
+    return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ino": st.st_ino, "dev": st.st_dev}
+
+
 class IdsFile:
     """The IDs of a file (already checked by ``prescan_file``), streamed without blocking the
-    loop: an async iterable of IDs, and ``chunks()``, the same IDs a list at a time."""
+    loop: an async iterable of IDs, and ``chunks()``, the same IDs a list at a time.
+    ``lines``: its number of IDs, if known (``prescan_file``'s count)."""
 
-    __slots__ = ("path",)
+    __slots__ = ("lines", "path")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, lines: int | None = None) -> None:
         self.path = path
+        self.lines = lines
 
     def __repr__(self) -> str:
         return f"IdsFile({self.path!r})"
@@ -107,7 +119,14 @@ class IdsFile:
         return _flatten(self.chunks())
 
     def chunks(self) -> AsyncIterator[list[str]]:
-        return _file_chunks(self.path)
+        return _drop_marks(_file_chunks(self.path))
+
+    def marked_chunks(self, start: int = 0,
+                      line: int = 0) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
+        """``(chunk, mark)`` from byte ``start`` (the start of line ``line`` + 1) on: ``mark``
+        is ``(offset, line)`` just after the chunk when the chunk ends a block read from the
+        file (about 1 MB), else ``None``: where a later run may resume reading."""
+        return _file_chunks(self.path, start, line)
 
 
 def file_ids(path: str) -> IdsFile:
@@ -115,33 +134,44 @@ def file_ids(path: str) -> IdsFile:
     return IdsFile(path)
 
 
-async def _file_chunks(path: str) -> AsyncIterator[list[str]]:
+async def _drop_marks(chunks: AsyncIterator[tuple[list[str], Any]]) -> AsyncIterator[list[str]]:
+    async for chunk, _ in chunks:
+        if chunk:
+            yield chunk
+
+
+async def _file_chunks(path: str, start: int = 0,
+                       line: int = 0) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
     try:
         opened = aiofiles.open(path, "rb")
         f = await opened.__aenter__()
     except OSError as e:
         raise InputError(f"cannot read IDs file: {e.strerror}", path=path) from None
     try:
+        if start:
+            await f.seek(start)
         rest = b""
-        line = 0
+        offset = start  # of the first byte not yet split into lines
         while True:
             chunk = await f.read(CHUNK)
             if not chunk:
                 break
             lines = (rest + chunk).split(b"\n")
             rest = lines.pop()
+            offset += len(chunk)
             items: list[str] = []
             for raw in lines:
                 line += 1
                 item = parse_line(raw, path=path, line=line)
                 if item is not None:
                     items.append(item)
-            for i in range(0, len(items), CHUNK_IDS):
-                yield items[i:i + CHUNK_IDS]
+            mark = (offset - len(rest), line)  # just after the block's last complete line
+            parts = [items[i:i + CHUNK_IDS] for i in range(0, len(items), CHUNK_IDS)] or [[]]
+            for i, part in enumerate(parts):
+                yield part, mark if i == len(parts) - 1 else None
         if rest:
             item = parse_line(rest, path=path, line=line + 1)
-            if item is not None:
-                yield [item]
+            yield ([item] if item is not None else []), None
     finally:
         await opened.__aexit__(None, None, None)
 

@@ -62,6 +62,8 @@ log = logging.getLogger("asyncrawl")
 DB = "state.db"
 SCHEMA_VERSION = 1
 CHUNK = 900  # IDs per lookup statement
+PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
+OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
@@ -79,7 +81,7 @@ CREATE TABLE items (
     sends INTEGER NOT NULL DEFAULT 0,
     doubt INTEGER
 );
-CREATE INDEX items_sent ON items (sent_run) WHERE sent_run IS NOT NULL;
+CREATE INDEX items_open ON items (sent_run) WHERE state IS NULL OR state IN ('failed', 'perm');
 CREATE INDEX items_doubt ON items (doubt) WHERE doubt IS NOT NULL;
 CREATE TABLE runs (
     run INTEGER PRIMARY KEY, started REAL, pid INTEGER, version TEXT, job TEXT, ended REAL,
@@ -160,6 +162,7 @@ class SqliteStore:
         self._run: int | None = None
         self._endpoint = ""
         self._dead = False
+        self._frontier_ok = False  # the run reads the job's one IDs file: keep its frontier
         self._day = (-1, "")  # (days since the epoch, UTC date) of the last record applied
         self.job: dict[str, Any] | None = self._meta_json("job")
 
@@ -295,21 +298,55 @@ class SqliteStore:
         states = self._lookup(fresh)
         return [(item, states.get(item)) for item in fresh], dups
 
-    async def run_counts(self) -> Counts:
-        """This run's IDs (every one ``admit`` took) by their state now."""
-        return await asyncio.to_thread(self._run_counts)
+    async def run_counts(self, *, whole: bool = False) -> Counts:
+        """This run's IDs (every one ``admit`` took) by their state now; ``whole``: every ID
+        of the job (a run that read its one IDs file on from the frontier) plus those."""
+        return await asyncio.to_thread(self._run_counts, whole)
 
-    def _run_counts(self) -> Counts:
+    def _run_counts(self, whole: bool) -> Counts:
         db = self._reader
         assert db is not None
         try:
-            rows = db.execute("SELECT i.state, count(*) FROM temp.seen AS s "
-                              "LEFT JOIN items AS i ON i.id = s.id GROUP BY i.state").fetchall()
+            if whole:
+                rows = db.execute(
+                    "SELECT state, count(*) FROM items GROUP BY state UNION ALL "
+                    "SELECT NULL, count(*) FROM temp.seen AS s WHERE NOT EXISTS "
+                    "(SELECT 1 FROM items AS i WHERE i.id = s.id)").fetchall()
+            else:
+                rows = db.execute("SELECT i.state, count(*) FROM temp.seen AS s LEFT JOIN "
+                                  "items AS i ON i.id = s.id GROUP BY i.state").fetchall()
         except sqlite3.Error as e:
             raise _storage_error(e, self.path, "read the state database") from None
-        by = dict(rows)
+        by: Counter[str | None] = Counter()
+        for state, n in rows:
+            by[state] += n
         return Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
                       unavailable=by.get("unavailable", 0), pending=by.get(None, 0))
+
+    def resume_point(self, source: dict[str, Any]) -> dict[str, int] | None:
+        """Where a run of ``source`` may read on, if every run of the job read that very file,
+        unchanged: the frontier ``{offset, line, unique, dups}``; else ``None``."""
+        was = self._meta_json("source")
+        if not _same_file(was, source):
+            return None
+        frontier: dict[str, int] | None = self._meta_json("frontier")
+        return frontier
+
+    def source_lines(self, source: dict[str, Any]) -> int | None:
+        """The number of IDs of ``source`` as counted (and checked) when a run first read it,
+        if it is the job's one IDs file and unchanged since."""
+        was = self._meta_json("source")
+        return was.get("lines") if _same_file(was, source) else None
+
+    def unsettled(self) -> Iterator[list[str]]:
+        """The IDs the state holds unsettled (failed, or sent without a result), from the
+        ``items_open`` index, a block at a time."""
+        try:
+            cur = (self._reader or self._db).execute(f"SELECT id FROM items WHERE {OPEN}")
+            while rows := cur.fetchmany(CHUNK):
+                yield [row[0] for row in rows]
+        except sqlite3.Error as e:
+            raise _storage_error(e, self.path, "read the state database") from None
 
     # -- the Store interface: writing (the writer's thread) -----------------------------------
 
@@ -382,6 +419,7 @@ class SqliteStore:
     def _start_run(self, rec: Record) -> None:
         _close_open_intents(self._db)  # (a no-op but in an imported journal's crashed runs)
         extra = rec.extra or {}
+        self._note_source(extra.get("source"))
         job = extra.get("job")
         cur = self._db.execute(
             "INSERT INTO runs (started, pid, version, job) VALUES (?, ?, ?, ?)",
@@ -393,9 +431,28 @@ class SqliteStore:
                              (orjson.dumps(job).decode(),))
             self._endpoint = endpoint_of(job["url"])
 
+    def _note_source(self, source: dict[str, Any] | None) -> None:
+        """Keep the IDs file every run of the job has read, while it is one and the same file,
+        unchanged; anything else (another file, a changed one, IDs from a library iterable)
+        makes it "mixed", which ends the shortcut of reading on from a frontier for good."""
+        was = self._meta_json("source")
+        self._frontier_ok = was != "mixed" and source is not None and (
+            was is None or _same_file(was, source))
+        if was == "mixed":
+            return
+        if not self._frontier_ok:
+            self._db.execute("DELETE FROM meta WHERE key = 'frontier'")
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('source', ?)",
+                         (orjson.dumps(source if self._frontier_ok else "mixed").decode(),))
+
     def _end_run(self, rec: Record) -> None:
         db = self._db
-        if rec.kind == "halt":
+        if rec.kind == "mark":
+            if not self._frontier_ok:
+                return
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('frontier', ?)",
+                       (orjson.dumps((rec.extra or {})["frontier"]).decode(),))
+        elif rec.kind == "halt":
             db.execute("UPDATE runs SET halt_reason = ?, halt_status = ?, halt_message = ? "
                        "WHERE run = ?", ((rec.extra or {}).get("reason"), rec.status, rec.error,
                                          self._run))
@@ -403,7 +460,7 @@ class SqliteStore:
             extra = rec.extra or {}
             db.executemany("UPDATE items SET doubt = 0 WHERE id = ? AND doubt IS NULL",
                            [(item,) for item in extra.get("in_doubt", ())])
-            db.execute("UPDATE items SET sent_run = NULL WHERE sent_run IS NOT NULL")
+            db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
             db.execute("UPDATE runs SET ended = ?, error = ? WHERE run = ?",
                        (rec.ts, extra.get("error"), self._run))
 
@@ -425,8 +482,8 @@ class SqliteStore:
                     ledger.append((day, endpoint, n_billable))
             doubt = dict(db.execute("SELECT doubt, count(*) FROM items WHERE doubt IS NOT NULL "
                                     "GROUP BY doubt"))
-            open_sent = db.execute("SELECT count(*) FROM items WHERE sent_run IS NOT NULL "
-                                   "AND doubt IS NULL").fetchone()[0]
+            open_sent = db.execute(f"SELECT count(*) FROM items WHERE {OPEN} AND sent_run "
+                                   "IS NOT NULL AND doubt IS NULL").fetchone()[0]
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
                               "ORDER BY run DESC LIMIT 1").fetchone()
@@ -472,7 +529,7 @@ class SqliteStore:
         running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
         query = "SELECT id, doubt FROM items WHERE doubt IS NOT NULL"
         if not running:  # a crashed run's open intents, not yet closed by a new run
-            query += " OR sent_run IS NOT NULL"
+            query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
         try:
             for item, doubt in self._db.execute(query + " ORDER BY rowid"):
                 yield item, doubt == 1
@@ -529,6 +586,7 @@ def _create(path: Path) -> None:
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))  # private, like the directory
     db = sqlite3.connect(tmp, isolation_level=None)
     try:
+        db.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         db.execute("PRAGMA journal_mode = DELETE")  # one file to rename (WAL from the first open)
         db.execute("PRAGMA synchronous = FULL")
         _ensure_schema(db, tmp)
@@ -551,6 +609,7 @@ def _build_from_journal(journal: Path, path: Path) -> int:
     return the number of records. ``StorageError`` (``JournalCorrupt``) for a damaged journal."""
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
+        db.execute(f"PRAGMA page_size = {PAGE_SIZE}")
         db.execute("PRAGMA journal_mode = DELETE")
         db.execute("PRAGMA synchronous = FULL")
         _ensure_schema(db, path)
@@ -607,9 +666,14 @@ def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]
         db.execute(_sql(template, len(part), width), list(itertools.chain.from_iterable(part)))
 
 
+def _same_file(a: Any, b: dict[str, Any]) -> bool:
+    keys = ("path", "size", "mtime_ns", "ino", "dev")
+    return isinstance(a, dict) and all(a.get(k) == b.get(k) for k in keys)
+
+
 def _close_open_intents(db: sqlite3.Connection) -> None:
-    db.execute("UPDATE items SET doubt = 0 WHERE sent_run IS NOT NULL AND doubt IS NULL")
-    db.execute("UPDATE items SET sent_run = NULL WHERE sent_run IS NOT NULL")
+    db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND doubt IS NULL")
+    db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
 
 
 def _data(rec: Record) -> bytes | None:

@@ -16,6 +16,9 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
                            (in order, with their state) and how many were duplicates
 ``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
+``resume_point(source)``   where a run of an unchanged IDs file may read on (``None``: from the
+                           start), ``unsettled()`` the IDs held unsettled before that point,
+                           ``source_lines(source)`` the file's ID count as checked before
 ``commit(records)``        append a batch and make it durable (one fsync or transaction), then let
                            it count; blocking, called only from the writer's thread. Raises
                            ``StorageError``; after one, the store takes no more writes
@@ -50,7 +53,13 @@ class Store(Protocol):
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]: ...
 
-    async def run_counts(self) -> Counts: ...
+    async def run_counts(self, *, whole: bool = False) -> Counts: ...
+
+    def resume_point(self, source: dict[str, Any]) -> dict[str, int] | None: ...
+
+    def unsettled(self) -> Iterator[list[str]]: ...
+
+    def source_lines(self, source: dict[str, Any]) -> int | None: ...
 
     def commit(self, records: Sequence[Record]) -> None: ...
 

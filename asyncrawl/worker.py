@@ -104,14 +104,24 @@ class Ledger:
     """One pass's account of its IDs, kept by the producer and the workers and read by the
     pass's owner: ``done`` is set once the producer has finished and every ID it took in is
     settled. ``failed`` holds pass 1's failures for pass 2: id -> (permanent, status, error,
-    tries, unusable)."""
+    tries, unusable).
 
-    def __init__(self) -> None:
+    Reading an IDs file, it also keeps the *frontier*: the end of the longest run of blocks of
+    the file whose every ID is settled or has its durable ``sent`` intent (an ID already failed
+    in an earlier run has its row). Each time it moves, a ``mark`` record goes to ``sink``: a
+    later run of the same file reads on from there, and takes what the state holds unsettled
+    before it from the state itself."""
+
+    def __init__(self, sink: Sink | None = None) -> None:
         self.outstanding = 0  # taken in, not settled
         self.feeding = True  # the producer may take in more
         self.unsent = 0  # taken in, never sent, not suspect: what the breaker is there to protect
         self.failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
         self.done = asyncio.Event()
+        self._sink = sink
+        self._uncovered: dict[int, int] = {}  # block -> IDs taken in, not yet sent
+        self._marks: dict[int, dict[str, int]] = {}  # block -> where it ends, once all read
+        self._next = 0  # the first block not yet covered
 
     def __repr__(self) -> str:
         return (f"<Ledger outstanding={self.outstanding} feeding={self.feeding} "
@@ -121,6 +131,32 @@ class Ledger:
         self.outstanding += 1
         if not item.suspect:
             self.unsent += 1
+            if item.block >= 0:
+                self._uncovered[item.block] = self._uncovered.get(item.block, 0) + 1
+
+    def sent_first(self, item: Item) -> None:
+        """``item`` (not suspect) was sent for the first time: its intent is durable."""
+        self.unsent -= 1
+        if item.block >= 0:
+            self._uncovered[item.block] -= 1
+            if item.block == self._next and not self._uncovered[item.block]:
+                self._advance()
+
+    def block_read(self, block: int, mark: dict[str, int]) -> None:
+        """The producer has taken in every ID of ``block``, which ends at ``mark``."""
+        self._marks[block] = mark
+        self._uncovered.setdefault(block, 0)
+        if block == self._next:
+            self._advance()
+
+    def _advance(self) -> None:
+        last = None
+        while self._next in self._marks and not self._uncovered.get(self._next):
+            last = self._marks.pop(self._next)
+            self._uncovered.pop(self._next, None)
+            self._next += 1
+        if last is not None and self._sink is not None:
+            self._sink.put(Record("mark", extra={"frontier": last}))
 
     def fed(self) -> None:
         """The producer has taken in its last ID."""
@@ -230,7 +266,7 @@ class Worker:
         self.in_flight += 1
         if not item.sent and not item.suspect:
             item.sent = True
-            self.ledger.unsent -= 1
+            self.ledger.sent_first(item)
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1

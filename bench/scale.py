@@ -44,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from asyncrawl.records import Record  # noqa: E402
+from asyncrawl.source import file_identity  # noqa: E402
 from asyncrawl.sqlstore import DB  # noqa: E402
 from asyncrawl.store import open_store  # noqa: E402
 from asyncrawl.testing import MockProcess, read_log  # noqa: E402
@@ -77,17 +78,22 @@ def payload(item: str, size: int) -> bytes:
     return orjson.dumps({"id": item, "title": f"Item {item}", "body": "x" * max(0, size - 60)})
 
 
-async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, int]:
-    """The state of a job whose first ``settled`` IDs are ok and the next 64 in flight (sent,
-    no result) when it crashed; returns (durable records/s, records)."""
+async def build(state: Path, n: int, size: int, settled: int,
+                ids_file: Path) -> tuple[float, int]:
+    """The state of a job over ``ids_file`` whose first ``settled`` IDs are ok and the next 64
+    in flight (sent, no result) when it crashed, as its crawl would have left it (the file's
+    identity, and its frontier after the settled IDs); returns (durable records/s, records)."""
     store = await open_store(state)
     records = 0
     t0 = time.perf_counter()
     job = {"method": "GET", "url": "http://127.0.0.1:1/items/{id}", "params": {}}
+    source = file_identity(str(ids_file)) | {"lines": n}
+    line_bytes = len("id00000000\n")
 
     def write() -> int:
         count = 0
-        store.commit([Record("run", extra={"version": "bench", "pid": 0, "job": job})])
+        store.commit([Record("run", extra={"version": "bench", "pid": 0, "job": job,
+                                           "source": source})])
         batch: list[Record] = []
         for i in range(min(n, settled + 64)):
             item = f"id{i:08d}"
@@ -99,8 +105,9 @@ async def build(state: Path, n: int, size: int, settled: int) -> tuple[float, in
                 store.commit(batch)
                 count += len(batch)
                 batch = []
-        store.commit(batch)
-        return count + len(batch) + 1
+        frontier = {"offset": settled * line_bytes, "line": settled, "unique": settled, "dups": 0}
+        store.commit([*batch, Record("mark", extra={"frontier": frontier})])
+        return count + len(batch) + 2
 
     records = await asyncio.to_thread(write)
     took = time.perf_counter() - t0
@@ -135,16 +142,16 @@ def run_child(args: list[str], *, until_first_request: Path | None = None,
     return wall, rss_kb / 1024, first
 
 
-def measure(n: int, size: int, work: Path) -> Row:
+def measure(n: int, size: int, work: Path, *, resume_only: bool = False) -> Row:
     row = Row(n)
     ids = ids_of(n)
     ids_file = work / f"ids-{n}.txt"
     ids_file.write_text("".join(f"{i}\n" for i in ids))
     half = work / f"half-{n}"
-    rate, records = asyncio.run(build(half, n, size, n // 2))
+    rate, records = asyncio.run(build(half, n, size, n // 2, ids_file))
     row.write_rate = rate
     row.db_bytes = sum(p.stat().st_size for p in half.glob(DB + "*"))
-    row.per_id_overhead = (row.db_bytes - (n // 2) * len(payload("id00000000", size))) / n
+    row.per_id_overhead = (row.db_bytes - (n // 2) * len(payload("id00000000", size))) / (n // 2)
     print(f"  {n:,} IDs: built {records:,} records at {rate:,.0f} durable records/s; "
           f"{row.db_bytes / 1e6:,.0f} MB ({row.per_id_overhead:,.0f} B/ID beyond the payload)",
           flush=True)
@@ -162,8 +169,11 @@ def measure(n: int, size: int, work: Path) -> Row:
               f"{rss:,.0f} MB", flush=True)
         assert read_log(mock.log_path), "no request reached the mock"
 
+    if resume_only:
+        shutil.rmtree(half, ignore_errors=True)
+        return row
     full = work / f"full-{n}"
-    asyncio.run(build(full, n, size, n))
+    asyncio.run(build(full, n, size, n, ids_file))
     cfg_full = work / f"full-{n}.toml"
     cfg_full.write_text(f'[request]\nurl = "http://127.0.0.1:1/items/{{id}}"\n[source]\n'
                         f'ids = "{ids_file}"\n[state]\ndir = "{full}"\nreuse = true\n')
@@ -205,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--payload-bytes", type=int, default=1000)
     p.add_argument("--workdir", help="where the states go (default: a temp dir)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--resume-only", action="store_true", help="build and resume only")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncrawl-scale-"))
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in sizes:
             print(f"{n:,} IDs, payload {args.payload_bytes} B (work dir {work})", flush=True)
-            rows.append(measure(n, args.payload_bytes, work))
+            rows.append(measure(n, args.payload_bytes, work, resume_only=args.resume_only))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -18,7 +18,7 @@ from asyncrawl import Config, Crawler, Outcome, Progress, Response, Result
 from asyncrawl.report import export
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
-from .conftest import KEY, fast_config
+from .conftest import KEY, db_rows, fast_config
 
 
 def exported(config: Config, outcome: str = "ok") -> list[dict]:
@@ -415,3 +415,54 @@ async def test_unparsable_paid_answers_are_no_outage_and_never_bought_uncharged(
         await server.close()
     assert summary.unavailable == 20
     assert set(calls.values()) == {2}
+
+
+# -- resuming a long IDs file --------------------------------------------------------------------
+
+
+async def test_a_rerun_of_the_same_file_reads_on_from_its_frontier(
+        api: MockAPI, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stopped job's rerun of the unchanged IDs file does not read again the blocks its state
+    covers (every ID there settled or sent), takes what is unsettled there from the state, and
+    still fetches every ID exactly once; once the file changes, it reads it all again."""
+    from asyncrawl.source import IdsFile, prescan_file
+
+    state = tmp_path / "state"
+    ids = [f"{i:05d}-" + "x" * 890 for i in range(3000)]  # ~900 B a line: ~1,100 IDs per block
+    path = tmp_path / "ids.txt"
+    path.write_text("".join(f"{i}\n" for i in ids))
+    cfg = fast_config(api, state, concurrency=8, rate=3000.0)
+    lines = prescan_file(str(path))
+
+    running: list[Crawler] = []
+
+    def stop_half_way(r: Result) -> None:
+        if running[0].ok >= 2400:
+            running[0].stop()
+
+    async with Crawler(cfg, on_result=stop_half_way) as crawler:
+        running.append(crawler)
+        first = await crawler.run(IdsFile(str(path), lines))
+    assert first.halt is not None and 2400 <= first.ok < 3000
+    frontier = json.loads(db_rows(state, "SELECT value FROM meta WHERE key = 'frontier'")[0][0])
+    assert frontier["line"] >= 1000  # at least the first block is covered
+
+    paid_before = len(api.paid())
+    with caplog.at_level("INFO", logger="asyncrawl"):
+        async with Crawler(cfg) as crawler:
+            second = await crawler.run(IdsFile(str(path), lines))
+    assert [m for m in caplog.messages if "reading it on from line" in m]
+    assert second.halt is None and second.ok == 3000 and second.exit_code == 0
+    assert second.skipped >= frontier["unique"] - 16  # what the state covers, not re-read
+    assert sorted(api.paid()) == sorted(ids)  # every ID fetched exactly once, over both runs
+    assert len(api.paid()) - paid_before == 3000 - first.ok
+
+    with path.open("a") as f:  # the file changes: read all of it again
+        f.write("new-id\n")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="asyncrawl"):
+        async with Crawler(cfg) as crawler:
+            third = await crawler.run(IdsFile(str(path), lines + 1))
+    assert not [m for m in caplog.messages if "reading it on from line" in m]
+    assert third.ok == 3001 and third.skipped == 3000
+    assert sorted(api.paid()) == sorted([*ids, "new-id"])
