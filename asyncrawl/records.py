@@ -10,6 +10,8 @@ A run writes records; a store keeps them and answers from them. Kinds:
 ``unavailable`` the ID failed again in pass 2 (confirmed)                         } an ID's state
 ``billed``     2xx answers of an ID left unsettled at the end of a pass (``paid``)
 ``halt``       why a run stopped early (``status``, ``error``; ``extra``: reason)
+``mark``       how far into its IDs file the run has got: every ID before ``extra["frontier"]``
+               (byte offset, line, unique IDs and duplicates so far) is settled or sent
 ``end``        a run ended (``extra``: the IDs whose request was cut off in flight)
 =============  ==================================================================================
 

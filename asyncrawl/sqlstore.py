@@ -23,7 +23,10 @@ Tables (``records.py`` says what each record means)::
     runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
     ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
     tally(state, n)                         IDs by state, kept by triggers: counts in O(1)
-    meta(key, value)                        the job's identity ("job"), "imported_journal"
+    meta(key, value)                        the job's identity ("job"); its IDs file ("source":
+                                            path, size, mtime, inode, lines; or "mixed") and
+                                            how far the runs have covered it ("frontier");
+                                            "imported_journal"
 
 and the view for users, ``results(id, outcome, status, error, fetched_at, data)``.
 
@@ -307,9 +310,10 @@ class SqliteStore:
         db = self._reader
         assert db is not None
         try:
-            if whole:
+            if whole:  # the tally, the open rows (an index), and what has no row yet
                 rows = db.execute(
-                    "SELECT state, count(*) FROM items GROUP BY state UNION ALL "
+                    "SELECT state, n FROM tally UNION ALL "
+                    f"SELECT NULL, count(*) FROM items WHERE {OPEN} AND state IS NULL UNION ALL "
                     "SELECT NULL, count(*) FROM temp.seen AS s WHERE NOT EXISTS "
                     "(SELECT 1 FROM items AS i WHERE i.id = s.id)").fetchall()
             else:
