@@ -23,7 +23,6 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,17 +32,11 @@ from .types import Halt, Result
 
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
-STATES = ("ok", "failed", "perm", "unavailable")
 
 
 def state_of(kind: str, permanent: bool) -> str:
     """The state an outcome record gives its ID."""
     return "perm" if permanent and kind == "failed" else kind
-
-
-def next_state(was: str | None, kind: str, permanent: bool) -> str:
-    """An ID's state after an outcome record, given its state before (``ok`` is final)."""
-    return "ok" if was == "ok" else state_of(kind, permanent)
 
 
 class _RecordFields(NamedTuple):
@@ -94,7 +87,7 @@ class Record(_RecordFields):
 
     @property
     def state(self) -> str:
-        """The state this outcome record gives its ID (see ``next_state`` for ``ok`` being final)."""
+        """The state this outcome record gives its ID (unless the ID is ``ok`` already: final)."""
         return state_of(self.kind, self.permanent)
 
     @property
@@ -108,11 +101,6 @@ class Record(_RecordFields):
         """The ``Result`` an outcome record stands for (what ``on_result`` receives)."""
         return Result(self.id or "", self.kind, self.status, self.data, self.error,
                       self.permanent, self.pass_no, self.tries)
-
-    def halt(self) -> Halt:
-        """The ``Halt`` a ``halt`` record stands for."""
-        reason = (self.extra or {}).get("reason") or "fatal"
-        return Halt(reason, self.status, self.error or "")
 
     def encode(self) -> bytes:
         """The record's JSON form, one line (the journal's line format)."""
@@ -163,20 +151,6 @@ class Counts:
     unavailable: int = 0
     pending: int = 0
 
-    @classmethod
-    def of(cls, states: Iterable[str | None]) -> Counts:
-        ok = failed = unavailable = pending = 0
-        for st in states:
-            if st == "ok":
-                ok += 1
-            elif st == "unavailable":
-                unavailable += 1
-            elif st == "failed" or st == "perm":
-                failed += 1
-            else:
-                pending += 1
-        return cls(ok, failed, unavailable, pending)
-
     def as_dict(self) -> dict[str, int]:
         return {"ok": self.ok, "failed": self.failed, "unavailable": self.unavailable}
 
@@ -187,7 +161,6 @@ class Snapshot:
     from its indexes, without reading payloads."""
 
     counts: Counts
-    billable_by_day: dict[str, int]  # UTC date -> billable (2xx) calls recorded that day
     sent: int  # requests sent (``sent`` records)
     in_doubt: int  # sent when a run was cut off, no result kept, not re-fetched since
     billed_twice: int  # of the in-doubt IDs, those fetched ok since: possibly billed twice
@@ -199,8 +172,16 @@ class Snapshot:
     ledger: tuple[tuple[str, str, int], ...] = ()  # (UTC date, endpoint, billable) as recorded
 
     @property
+    def billable_by_day(self) -> dict[str, int]:
+        """UTC date -> billable (2xx) calls recorded that day, every endpoint together."""
+        by: dict[str, int] = {}
+        for day, _, n in self.ledger:
+            by[day] = by.get(day, 0) + n
+        return by
+
+    @property
     def billable(self) -> int:
-        return sum(self.billable_by_day.values())
+        return sum(n for _, _, n in self.ledger)
 
 
 def utc_day(ts: float) -> str:

@@ -51,8 +51,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         endpoint = config.redact(endpoint_of(config.url))
     price = config.price_per_call
     ledger = []
-    rows = snap.ledger or tuple((day, "", n) for day, n in snap.billable_by_day.items())
-    for day, recorded, n in rows:
+    for day, recorded, n in snap.ledger:
         row: dict[str, Any] = {"date": day, "endpoint": recorded or endpoint, "billable": n}
         if price is not None:
             row["cost"] = round(n * price, 6)

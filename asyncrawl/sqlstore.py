@@ -57,7 +57,7 @@ from .config import endpoint_of
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
-from .records import OUTCOME_KINDS, STATES, Counts, Record, Snapshot, utc_day
+from .records import OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -67,6 +67,7 @@ SCHEMA_VERSION = 1
 CHUNK = 900  # IDs per lookup statement
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
+EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
@@ -244,11 +245,17 @@ class SqliteStore:
             os.unlink(tmp)  # the open connection keeps reading it
         return cls(d, db)
 
-    def _meta_json(self, key: str) -> Any:
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """SQLite's errors while reading, in an operator's words (``StorageError``)."""
         try:
-            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+            yield
         except sqlite3.Error as e:
             raise _storage_error(e, self.path, "read the state database") from None
+
+    def _meta_json(self, key: str) -> Any:
+        with self._reading():
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return orjson.loads(row[0]) if row and row[0] is not None else None
 
     def _close_crashed_run(self) -> None:
@@ -267,14 +274,12 @@ class SqliteStore:
     def _lookup(self, ids: list[str]) -> dict[str, str]:
         db = self._reader or self._db
         out: dict[str, str] = {}
-        try:
+        with self._reading():
             for i in range(0, len(ids), CHUNK):
                 part = ids[i:i + CHUNK]
                 out.update(db.execute(
                     "SELECT id, state FROM items WHERE state IS NOT NULL AND id IN "
                     f"({','.join('?' * len(part))})", part))
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
         return out
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
@@ -285,12 +290,10 @@ class SqliteStore:
     def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None]], int]:
         db = self._reader
         assert db is not None, "admit() needs a store opened for a run"
-        try:
+        with self._reading():
             new = {row[0] for row in db.execute(
                 "INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
                 "ON CONFLICT DO NOTHING RETURNING id", (orjson.dumps(ids).decode(),))}
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
         fresh, dups, taken = [], 0, set()
         for item in ids:
             if item in new and item not in taken:
@@ -309,7 +312,7 @@ class SqliteStore:
     def _run_counts(self, whole: bool) -> Counts:
         db = self._reader
         assert db is not None
-        try:
+        with self._reading():
             if whole:  # the tally, the open rows (an index), and what has no row yet
                 rows = db.execute(
                     "SELECT state, n FROM tally UNION ALL "
@@ -319,8 +322,6 @@ class SqliteStore:
             else:
                 rows = db.execute("SELECT i.state, count(*) FROM temp.seen AS s LEFT JOIN "
                                   "items AS i ON i.id = s.id GROUP BY i.state").fetchall()
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
         by: Counter[str | None] = Counter()
         for state, n in rows:
             by[state] += n
@@ -345,12 +346,10 @@ class SqliteStore:
     def unsettled(self) -> Iterator[list[str]]:
         """The IDs the state holds unsettled (failed, or sent without a result), from the
         ``items_open`` index, a block at a time."""
-        try:
+        with self._reading():
             cur = (self._reader or self._db).execute(f"SELECT id FROM items WHERE {OPEN}")
             while rows := cur.fetchmany(CHUNK):
                 yield [row[0] for row in rows]
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
 
     # -- the Store interface: writing (the writer's thread) -----------------------------------
 
@@ -383,8 +382,9 @@ class SqliteStore:
         day = self._day
         for rec in records:
             kind = rec.kind
-            if int(rec.ts // 86400) != day[0]:  # the UTC date, computed once a day
-                day = self._day = (int(rec.ts // 86400), utc_day(rec.ts))
+            days = int(rec.ts // 86400)
+            if days != day[0]:  # the UTC date, computed once a day
+                day = self._day = (days, utc_day(rec.ts))
             if kind == "sent":
                 groups.sent.append((rec.id, self._run, 1))
                 groups.ledger[(day[1], self._endpoint, "sent")] += 1
@@ -473,16 +473,14 @@ class SqliteStore:
     def snapshot(self) -> Snapshot:
         db = self._db
         running = lock_holder(self.state_dir) if self._lock_fd < 0 else os.getpid()
-        try:
+        with self._reading():
             tally = dict(db.execute("SELECT state, n FROM tally"))
-            by_day: Counter[str] = Counter()
             ledger = []
             sent = 0
             for day, endpoint, n_sent, n_billable in db.execute(
                     "SELECT day, endpoint, sent, billable FROM ledger ORDER BY day, endpoint"):
                 sent += n_sent
                 if n_billable:
-                    by_day[day] += n_billable
                     ledger.append((day, endpoint, n_billable))
             doubt = dict(db.execute("SELECT doubt, count(*) FROM items WHERE doubt IS NOT NULL "
                                     "GROUP BY doubt"))
@@ -491,21 +489,18 @@ class SqliteStore:
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
                               "ORDER BY run DESC LIMIT 1").fetchone()
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
         halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
         counts = Counts(ok=tally.get("ok", 0), failed=tally.get("failed", 0) + tally.get("perm", 0),
                         unavailable=tally.get("unavailable", 0))
         in_doubt = doubt.get(0, 0) + (open_sent if running is None else 0)
-        return Snapshot(counts=counts, billable_by_day=dict(by_day), sent=sent, in_doubt=in_doubt,
+        return Snapshot(counts=counts, sent=sent, in_doubt=in_doubt,
                         billed_twice=doubt.get(1, 0),
                         in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
                         job=self.job, running=running, ledger=tuple(ledger))
 
     def records(self, outcome: str) -> Iterator[Record]:
-        states = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
-        want = states[outcome]
-        try:
+        want = EXPORT_STATES[outcome]
+        with self._reading():
             rows = self._db.execute(
                 "SELECT id, state, status, error, pass, tries, paid, fetched_at, data FROM items "
                 f"WHERE state IN ({','.join('?' * len(want))}) ORDER BY rowid", want)
@@ -514,31 +509,24 @@ class SqliteStore:
                 yield make(Record, ("failed" if state == "perm" else state, item, status, error,
                                     state == "perm", None, pass_no or 1, tries or 0, paid,
                                     ts or 0.0, None, data))
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
 
     def ids(self, outcome: str) -> Iterator[list[str]]:
         """The IDs of ``records(outcome)``, in the same order, a block at a time."""
-        states = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
-        want = states[outcome]
-        try:
+        want = EXPORT_STATES[outcome]
+        with self._reading():
             cur = self._db.execute(f"SELECT id FROM items WHERE state IN ({','.join('?' * len(want))}) "
                                    "ORDER BY rowid", want)
             while rows := cur.fetchmany(4096):
                 yield [row[0] for row in rows]
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
         query = "SELECT id, doubt FROM items WHERE doubt IS NOT NULL"
         if not running:  # a crashed run's open intents, not yet closed by a new run
             query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
-        try:
+        with self._reading():
             for item, doubt in self._db.execute(query + " ORDER BY rowid"):
                 yield item, doubt == 1
-        except sqlite3.Error as e:
-            raise _storage_error(e, self.path, "read the state database") from None
 
     async def close(self) -> None:
         def close() -> None:
@@ -712,4 +700,4 @@ def _ensure_schema(db: sqlite3.Connection, path: Path) -> None:
     _check_version(version, path)
 
 
-__all__ = ["DB", "STATES", "SqliteStore"]
+__all__ = ["DB", "SqliteStore"]
