@@ -23,8 +23,9 @@ class Writer:
 
     Records are queued by ``put`` (or ``commit``, to wait until one is durable). The writer's
     own thread takes everything queued since its last write and hands it to ``store.commit``
-    (one write and one fsync, or one transaction: group commit), then hands the batch back to
-    the event loop, which resolves the ``commit`` futures and calls ``on_commit(records)``, in
+    (one transaction: group commit; two when ``ok`` results would hold back the intents that
+    requests wait for, see ``_intents_first``), then hands each committed part back to the
+    event loop, which resolves the ``commit`` futures and calls ``on_commit(records)``, in
     commit order. fsync never blocks the
     loop, and a commit costs the loop one wake-up, not a round trip per step. A batch that no
     ``commit`` waits for first lingers up to ``linger`` seconds for more (until a ``commit``
@@ -120,8 +121,8 @@ class Writer:
                     # Nobody waits for these: more gathered meanwhile, rather than a wake-up
                     # (and the GIL taken from the event loop) for every record.
                     stop = self._take(batch, q.get_nowait())
-                if batch:
-                    self._post(self._done, batch, *self._write(batch))
+                for part in _intents_first(batch):
+                    self._post(self._done, part, *self._write(part))
         finally:
             self._post(_resolve, done, None)
 
@@ -186,6 +187,22 @@ class Writer:
 
 
 _Entry = tuple[Record, "asyncio.Future[bool] | None"]
+_BARRIERS = frozenset({"run", "mark", "halt", "end"})  # records about everything before them
+
+
+def _intents_first(batch: list[_Entry]) -> list[list[_Entry]]:
+    """The transactions a batch is committed in: one, or two when records somebody waits for
+    (the ``sent`` intents that hold requests back) share it with ``ok`` results nobody waits
+    for. Then the others go first, in a small transaction, so that the requests leave without
+    waiting for the payloads to be written, and the ``ok`` records follow in a second one.
+    That order is as good as the queue's: an ``ok`` is an ID's last record in a run, so no
+    record after it in the queue is about its ID, and a batch holding a record about
+    everything before it (run, mark, halt, end) is not split."""
+    deferred = [e for e in batch if e[0].kind == "ok" and e[1] is None]
+    if not deferred or len(deferred) == len(batch) or all(e[1] is None for e in batch) \
+            or any(e[0].kind in _BARRIERS for e in batch):
+        return [batch] if batch else []
+    return [[e for e in batch if e[0].kind != "ok" or e[1] is not None], deferred]
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:

@@ -310,6 +310,43 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
     w.close()
     await task
     await store.close()
-    assert batches == [["a", "b", "c"]]  # one transaction for the three
+    # one wake-up for the three; the intent that a request waits for first, in a transaction
+    # of its own, then the results nobody waits for
+    assert batches == [["c"], ["a", "b"]]
+    assert w.commits == 2
+
+
+async def test_writer_commits_intents_before_results_unless_a_record_is_about_all(
+        tmp_path: Path) -> None:
+    """Intents that requests wait for are not held back by the results queued with them; the
+    order stays the queue's for everything but ``ok`` (an ID's last record), and a batch with a
+    record about everything before it (here ``end``) is committed as one."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit(RECORDS[:1])  # the run
+    batches: list[list[tuple[str, str | None]]] = []
+    w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+               on_error=print, linger=0)
+    w.put(Record("ok", "a", status=200, data={"n": 1}, paid=1, ts=TS))
+    w.put(Record("failed", "b", status=503, error="HTTP 503", ts=TS))
+    intent = w.commit(Record("sent", "b", ts=TS))
+    w.put(Record("ok", "c", status=200, data={"n": 3}, paid=1, ts=TS))
+    w.close()
+    await w.run()
+    assert await intent is True
+    assert batches == [[("failed", "b"), ("sent", "b")], [("ok", "a"), ("ok", "c")]]
+    batches.clear()
+    w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+               on_error=print, linger=0)
+    w.put(Record("ok", "d", status=200, data={"n": 4}, paid=1, ts=TS))
+    intent = w.commit(Record("sent", "e", ts=TS))
+    w.put(Record("end", extra={"in_doubt": ["e"]}, ts=TS))
+    w.close()
+    await w.run()
+    assert await intent is True
+    assert batches == [[("ok", "d"), ("sent", "e"), ("end", None)]]
+    await store.close()
+    in_doubt = dict(read_store(state).in_doubt())
+    assert in_doubt == {"e": False}  # and nothing about "b": its intent came after its failure
 
 
