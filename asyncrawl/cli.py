@@ -26,6 +26,7 @@ from typing import Any
 from ._version import __version__
 from .config import Config, expand_env
 from .errors import AsyncrawlError, ConfigError
+from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import SETTLED
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
@@ -56,7 +57,11 @@ def tune_gc() -> None:
 
 def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("-c", "--config", help="config file (default: ./config.toml if present)")
-    sp.add_argument("--state", metavar="DIR", help="state directory ([state] dir)")
+    sp.add_argument("--state", metavar="DIR|URL",
+                    help="state directory ([state] dir), or a postgresql:// URL for a job that "
+                         "many processes share ([state] url)")
+    sp.add_argument("--job", metavar="NAME",
+                    help="the job's name in a postgresql:// state ([state] job; default: default)")
 
 
 def _run_parser(run: argparse.ArgumentParser) -> None:
@@ -146,13 +151,15 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides:
     ``need_env=False`` for commands that only read the state: they never need the secrets."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if getattr(args, "state", None):
-        overrides["state_dir"] = args.state
+        overrides["state_url" if is_url(args.state) else "state_dir"] = args.state
+    if getattr(args, "job", None):
+        overrides["job"] = args.job
     path = args.config or ("config.toml" if Path("config.toml").is_file() else None)
     if path is None:
         if "url" not in overrides:
-            if overrides.keys() <= {"state_dir"}:
-                # status/export need only the state directory
-                return Config(url="http://unused/{id}", state_dir=overrides.get("state_dir", "state"))
+            if overrides.keys() <= {"state_dir", "state_url", "job"}:
+                # status/export need only the state
+                return Config(url="http://unused/{id}", **overrides)
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
         return Config.from_dict({}, **overrides)  # every value is a flag: errors name the flag
     return Config.load(path, need_env=need_env, **overrides)
@@ -243,7 +250,7 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
 # -- commands ----------------------------------------------------------------------------------
 
 
-async def _run(config: Config, *, ids_path: str, progress: bool,
+async def _run(config: Config, *, ids_path: str | None, progress: bool,
                total: int | None) -> tuple[Summary, list[tuple[str, int]]]:
     """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
     line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
@@ -283,7 +290,7 @@ async def _run(config: Config, *, ids_path: str, progress: bool,
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
     try:
         async with crawler:
-            summary = await crawler.run(IdsFile(ids_path, total))
+            summary = await crawler.run(IdsFile(ids_path, total) if ids_path else [])
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
@@ -333,20 +340,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = _config_for_run(args)
     handler = setup_logging(config, args.log_format, args.log_file)
     try:
-        if not config.ids:
+        if not config.ids and config.state_url is None:
             raise ConfigError("no IDs: pass --ids PATH (or - for stdin) or set [source] ids")
         spooled = None
-        ids_path = config.ids
+        ids_path = config.ids  # None: join a shared job and work on the IDs it has
         if ids_path == "-":
             ids_path = spooled = _spool_stdin()
         try:
             # an IDs file the state has read before, unchanged, is not checked and counted again
-            total = None if spooled else _known_lines(config, ids_path)
-            if total is None:
+            total = None if spooled or not ids_path else _known_lines(config, ids_path)
+            if total is None and ids_path:
                 total = prescan_file(ids_path)
+            if config.state_url is not None:
+                total = None  # a shared job's size is the job's, not this file's
             if spooled:
                 config = config.with_overrides(ids=None)
             if args.dry_run:
+                if not ids_path:
+                    raise ConfigError("--dry-run needs the IDs to price: pass --ids PATH")
                 return _dry_run(config, ids_path)
             tune_gc()
             summary, errors = asyncio.run(_run(config, ids_path=ids_path, total=total,
@@ -363,7 +374,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _known_lines(config: Config, ids_path: str) -> int | None:
-    if not (Path(config.state_dir) / DB).exists():
+    if config.state_url is not None or not (Path(config.state_dir) / DB).exists():
         return None
     try:
         return read_store(config.state_dir).source_lines(file_identity(ids_path))
@@ -372,7 +383,7 @@ def _known_lines(config: Config, ids_path: str) -> int | None:
 
 
 def _dry_run(config: Config, ids_path: str) -> int:
-    store = read_store(config.state_dir, missing_ok=True)
+    store = read_store(config.state, missing_ok=True, job=config.job)
 
     async def count() -> tuple[int, int, int]:
         seen: set[str] = set()

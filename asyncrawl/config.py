@@ -90,6 +90,9 @@ class Config:
     cooldown: float = 60.0
     recheck_permanent: bool = True
     state_dir: str = "state"
+    state_url: str | None = None  # a PostgreSQL database, for a job shared by many processes
+    job: str = "default"  # the job's name in that database
+    lease: float = 30.0  # seconds a dead process's claimed IDs stay with it
     reuse_state: bool = False
     grace: float = 10.0
     progress_interval: float = 10.0
@@ -129,6 +132,8 @@ class Config:
         secrets.update(str(v) for k, v in self.params.items() if self.is_secret_param(k))
         if isinstance(self.url, str):
             secrets.update(_userinfo(self.url))
+        if isinstance(self.state_url, str):  # postgresql://user:password@host/db
+            secrets.update(_userinfo(self.state_url))
         if isinstance(self.webhook, str):  # e.g. a Slack webhook URL is itself a credential
             secrets.add(self.webhook)
             secrets.update(_userinfo(self.webhook))
@@ -239,6 +244,19 @@ class Config:
         """Whether a header of this name carries a credential (auth-like, or in ``secret_names``)."""
         return bool(_SECRET_HEADER.search(name)) or name.lower() in _lower(self.secret_names)
 
+    @property
+    def state(self) -> str:
+        """Where the job's state is: the PostgreSQL URL (``[state] url``), else the state
+        directory."""
+        return self.state_url or self.state_dir
+
+    @property
+    def state_shown(self) -> str:
+        """``state`` as messages show it: a URL without its password, with the job's name."""
+        if self.state_url is None:
+            return self.state_dir
+        return f"{self.redact(self.state_url)} (job {self.job!r})"
+
     def job_identity(self) -> dict[str, Any]:
         """What the state directory remembers of the job it belongs to: the URL template,
         method and query parameters, secrets redacted (never the headers: keys rotate)."""
@@ -300,6 +318,9 @@ TOML_KEYS: dict[str, str] = {
     "passes.cooldown": "cooldown",
     "passes.recheck_permanent": "recheck_permanent",
     "state.dir": "state_dir",
+    "state.url": "state_url",
+    "state.job": "job",
+    "state.lease": "lease",
     "state.reuse": "reuse_state",
     "run.grace": "grace",
     "run.progress_interval": "progress_interval",
@@ -319,8 +340,8 @@ REMOVED_KEYS: dict[str, str] = {
 FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
 
 
-_FLAGS = {"state_dir": "--state", "verify_tls": "--insecure", "second_pass": "--no-second-pass",
-          "headers": "-H"}
+_FLAGS = {"state_dir": "--state", "state_url": "--state", "verify_tls": "--insecure",
+          "second_pass": "--no-second-pass", "headers": "-H"}
 
 
 def flag_for(name: str) -> str:
@@ -446,7 +467,7 @@ def _check_types(c: Config) -> None:
     types: dict[str, Any] = {f.name: f.type for f in fields(c)}
     for name in types:
         v = getattr(c, name)
-        if name in ("timeout", "rate", "backoff_base", "backoff_max", "cooldown", "grace",
+        if name in ("timeout", "rate", "backoff_base", "backoff_max", "cooldown", "grace", "lease",
                     "retry_after_max", "progress_interval", "price_per_call", "max_spend",
                     "breaker_probe_max", "connect_timeout",
                     "read_timeout"):
@@ -468,10 +489,10 @@ def _check_types(c: Config) -> None:
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
         elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects",
-                      "response_format"):
+                      "response_format", "job"):
             if not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
-        elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field"):
+        elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field", "state_url"):
             if v is not None and not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
         elif name in ("headers", "params"):
@@ -489,7 +510,7 @@ def _check_types(c: Config) -> None:
 
 def _check_values(c: Config) -> None:
     bad = _bad
-    positive = ("timeout", "rate", "concurrency", "burst", "max_tries", "max_body_bytes",
+    positive = ("timeout", "rate", "concurrency", "burst", "lease", "max_tries", "max_body_bytes",
                 "progress_interval", "retry_after_max", "breaker_probe_max")
     for name in positive:
         if getattr(c, name) <= 0:
@@ -513,6 +534,10 @@ def _check_values(c: Config) -> None:
         raise bad("max_spend", "needs [billing] price_per_call to be set")
     if c.response_format not in ("json", "text", "bytes"):
         raise bad("response_format", f"must be one of json, text, bytes; got {c.response_format!r}")
+    if c.state_url is not None and not c.state_url.startswith(("postgresql://", "postgres://")):
+        raise bad("state_url", f"must be a postgresql:// URL, got {c.redact(c.state_url)!r}")
+    if not c.job.strip() or len(c.job) > 200:
+        raise bad("job", f"must be a name of 1 to 200 characters, got {c.job!r}")
     if c.jitter not in ("full", "equal", "none"):
         raise bad("jitter", f"must be one of full, equal, none; got {c.jitter!r}")
     if c.follow_redirects not in ("none", "same-origin", "any"):

@@ -116,6 +116,8 @@ class Crawler:
         """Fetch every unsettled ID of ``ids`` (default: the config's IDs file)."""
         cfg = self.config
         run = self._run = Run(cfg, self.hooks, total=self.total)
+        if ids is None and cfg.state_url is not None and not cfg.ids:
+            ids = []  # join the shared job: work on the IDs it has
         if ids is None:
             if not cfg.ids or cfg.ids == "-":
                 raise AsyncrawlError("no IDs: pass ids= or set [source] ids to a file")
@@ -123,7 +125,7 @@ class Crawler:
             if self.total is None:
                 ids.lines = run.meter.total = await asyncio.to_thread(prescan_file, cfg.ids)
         source = ids if isinstance(ids, IdsFile) else id_chunks(ids)
-        store = await open_store(cfg.state_dir)
+        store = await open_store(cfg.state, cfg.job, lease=cfg.lease)
         try:
             check_job(cfg, store.job)
             session, own = self._session, None

@@ -369,6 +369,7 @@ class Governor:
         # no, an open breaker stands down: the IDs left are retries with their own backoff.
         self.unsent: Callable[[], bool] = lambda: True
         self.paused_until = 0.0
+        self.runs = 1  # processes sharing the job's rate (``share``)
         self._next_slot = 0.0  # pacing at the effective rate, when it is below the configured one
 
     def __repr__(self) -> str:
@@ -386,6 +387,17 @@ class Governor:
     @property
     def breaker_open(self) -> bool:
         return self.breaker is not None and self.breaker.open
+
+    def share(self, runs: int) -> None:
+        """Take ``1 / runs`` of the job's rate and burst: ``runs`` processes work on one job
+        and together keep to its limit."""
+        self.runs = runs
+        rate, burst = self.rate / runs, max(1, round(self.burst / runs))
+        self.limiter = AsyncLimiter(burst, burst / rate)
+        c = self.controller
+        if c is not None:  # unless it had slowed down to a quota, it goes with the share
+            c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
+            c.max_rate = rate
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""

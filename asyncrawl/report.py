@@ -42,8 +42,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     connections), from the store's note written before each send, minus the calls whose answer
     was lost in a crash (``in_doubt``: possibly billed).
     """
-    d = Path(config.state_dir)
-    snap = read_store(d).snapshot()
+    snap = read_store(config.state, job=config.job).snapshot()
     billable = snap.billable
     if snap.job is not None:  # what the state says it fetched, not what today's config says
         endpoint = endpoint_of(snap.job["url"])
@@ -72,12 +71,13 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         "in_doubt": snap.in_doubt,
         "possibly_billed_twice": snap.billed_twice,
         "in_flight": snap.in_flight,
-        "running": snap.running,
+        "running": snap.running,  # a shared job: how many processes work on it
+        "shared": config.state_url is not None,
         "runs": snap.runs,
-        "state_dir": str(d),
+        "state_dir": config.state_shown,
     }
-    if snap.running is not None:
-        out["live"] = read_live(d)
+    if snap.running is not None and config.state_url is None:
+        out["live"] = read_live(Path(config.state_dir))
     if price is not None:
         out["cost"] = round(billable * price, 6)
         out["currency"] = config.currency
@@ -108,8 +108,9 @@ def status_text(s: dict[str, Any]) -> str:
                      f"(possibly billed); {s['possibly_billed_twice']:,} of those re-fetched since "
                      "(possibly billed twice): asyncrawl export --outcome in-doubt")
     if s["running"] is not None:
-        lines.append(f"running      yes (pid {s['running']}), "
-                     f"{s['in_flight']:,} IDs sent and not settled yet")
+        who = (f"{s['running']} process{'es' if s['running'] != 1 else ''}"
+               if s.get("shared") else f"pid {s['running']}")
+        lines.append(f"running      yes ({who}), {s['in_flight']:,} IDs sent and not settled yet")
         live = s.get("live")
         if live:
             gov = (f"rate limit {live['effective_rate']:,.1f}/{live['configured_rate']:,.0f} req/s, "
@@ -125,9 +126,9 @@ def status_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _records(state_dir: Path, outcome: str) -> Iterator[dict[str, Any]]:
+def _records(config: Config, outcome: str) -> Iterator[dict[str, Any]]:
     """The rows to export, streamed from the store (opened now: a wrong --state fails here)."""
-    store = read_store(state_dir)
+    store = read_store(config.state, job=config.job)
     if outcome == "in-doubt":
         return ({"id": item, "refetched": twice} for item, twice in store.in_doubt())
     return (_plain(rec, outcome) for rec in store.records(outcome))
@@ -150,18 +151,18 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
     if fmt == "ids" and outcome != "in-doubt":
-        blocks = read_store(Path(config.state_dir)).ids(outcome)
+        blocks = read_store(config.state, job=config.job).ids(outcome)
         if path is None:
             assert out is not None
             return _write_ids(blocks, out)
         return _atomically(Path(path), lambda f: _write_ids(blocks, f))
     if fmt == "jsonl" and outcome == "ok":
-        recs = read_store(Path(config.state_dir)).records("ok")
+        recs = read_store(config.state, job=config.job).records("ok")
         if path is None:
             assert out is not None
             return _write_ok_jsonl(recs, out)
         return _atomically(Path(path), lambda f: _write_ok_jsonl(recs, f))
-    records = _records(Path(config.state_dir), outcome)
+    records = _records(config, outcome)
     if path is None:
         assert out is not None
         return _write(records, outcome, fmt, fields, out)

@@ -41,7 +41,9 @@ from .errors import JobMismatch, StorageError
 from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request
 from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
+from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
+from .pgstore import PgStore
 from .records import SETTLED, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
@@ -131,19 +133,29 @@ class Run:
         cfg = self.config
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
-        state_dir = Path(cfg.state_dir)  # live.json, next to the state
+        shared = store if isinstance(store, PgStore) else None
+        state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every),
             name="asyncrawl-progress")
         ident = None
-        if isinstance(source, IdsFile):
+        if isinstance(source, IdsFile) and shared is None:
             ident = await asyncio.to_thread(file_identity, source.path)
             ident["lines"] = source.lines if source.lines is not None else self.meter.total
-        writer.put(Record("run", extra={"version": __version__, "pid": os.getpid(),
-                                        "job": cfg.job_identity(), "source": ident}))
+        start = Record("run", extra={"version": __version__, "pid": os.getpid(),
+                                     "job": cfg.job_identity(), "source": ident})
+        job: _Shared | None = None
         error: BaseException | None = None
         try:
-            await self._passes(self._first_pass_ids(source, store, ident), session, writer)
+            if shared is None:
+                writer.put(start)
+                await self._passes(self._first_pass_ids(source, store, ident), session, writer)
+            else:
+                await writer.commit(start)  # the run is registered before it claims
+                job = _Shared(shared, Heartbeat(shared, self.stop, lambda: self.governor))
+                job.start(self._merge(shared, source))
+                await self._passes(self._claimed(job, 1, writer), session, writer,
+                                   second=lambda: self._claimed(job, 2, writer))
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -151,9 +163,13 @@ class Run:
             error = e
             raise
         finally:
+            if job is not None:
+                await job.close()
             await self._close(writer, writer_task, ticker, error)
         summary = await self._summary(store)
         halt = self.stop.halt
+        if job is not None and job.heartbeat.halted_elsewhere:
+            return summary  # the run that met the halt sends the alerts
         if halt is not None and halt.reason in ("fatal", "budget", "storage"):
             await send_alerts(cfg, halt, summary, session)
             if self.hooks.on_halt is not None:
@@ -161,7 +177,10 @@ class Run:
         return summary
 
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
-                      writer: Writer) -> None:
+                      writer: Writer,
+                      second: Callable[[], AsyncIterator[Chunk]] | None = None) -> None:
+        """Pass 1, then, after the cool-down, pass 2 over what failed: this run's failures, or
+        (``second``: a shared job's) the job's."""
         cfg, hooks = self.config, self.hooks
         self.governor = Governor(
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
@@ -170,14 +189,15 @@ class Run:
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe)
         failed = (await self._pass(1, first, fetcher, budget, writer)).failed
-        if not cfg.second_pass or not failed or self.stop.is_set():
+        if not cfg.second_pass or not (failed or second) or self.stop.is_set():
             return
         self.cooling = True
         await _wait_first(self.stop.event, timeout=cfg.cooldown)
         self.cooling = False
         if not self.stop.is_set():
             self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
-            await self._pass(2, self._second_pass_ids(failed, writer), fetcher, budget, writer)
+            ids = second() if second is not None else self._second_pass_ids(failed, writer)
+            await self._pass(2, ids, fetcher, budget, writer)
 
     async def _close(self, writer: Writer, writer_task: asyncio.Task[None],
                      ticker: asyncio.Task[None], error: BaseException | None) -> None:
@@ -238,6 +258,40 @@ class Run:
             yield todo, block, mark
             if mark is not None:
                 block += 1
+
+    async def _merge(self, store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> None:
+        """Add the run's IDs to the shared job (while its IDs are claimed and fetched)."""
+        try:
+            added = await merge(store, source)
+        except StorageError as e:
+            self._on_storage_error(e)
+            return
+        log.info("added %s new IDs to the job", f"{added:,}")
+
+    async def _claimed(self, job: _Shared, pass_no: int, writer: Writer) -> AsyncIterator[Chunk]:
+        """A shared job's IDs for the pass, leased from the job: pass 1 what has no outcome
+        (or failed in an earlier generation of the job), pass 2 what failed in pass 1 (a
+        permanent failure, unless it is to be checked again, settled unavailable at once)."""
+        cfg, history = self.config, self.history
+        try:
+            if pass_no == 1:
+                await job.heartbeat.join()
+            size = max(64, 2 * cfg.concurrency)  # as much as the pass's queue holds
+            async for batch in claimed(job.store, pass_no, self.stop, job.merging, size):
+                todo = []
+                for item, state, status, error, tries in batch:
+                    if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:
+                        writer.put(outcome_record(
+                            Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
+                            "unavailable", permanent=True, pass_no=2, keep_data=False))
+                        continue
+                    if state is not None:  # failed before: no evidence of an outage now
+                        history[item] = Item(item, tries if pass_no == 2 else 0, suspect=True)
+                    todo.append(item)
+                if todo:
+                    yield todo, -1, None
+        except StorageError as e:
+            self._on_storage_error(e)
 
     async def _admit(self, chunk: list[str], store: Store) -> tuple[list[str], int]:
         """Of a chunk, the IDs to fetch (not seen before in this run, not settled), and how
@@ -413,12 +467,37 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
         return
     keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
     raise JobMismatch(
-        f"the state directory {cfg.state_dir} belongs to another job ("
+        f"the state {cfg.state_shown} belongs to another job ("
         + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
         + ", ".join(f"{k} {now[k]!r}" for k in keys)
         + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
         "address what the old job had not settled and keep what it had, pass --reuse-state "
         "([state] reuse = true)")
+
+
+class _Shared:
+    """A run's tasks for a shared job: the merge of its IDs and the heartbeat; owned by
+    ``Run.execute``, which closes it before the run's last records."""
+
+    def __init__(self, store: PgStore, heartbeat: Heartbeat) -> None:
+        self.store = store
+        self.heartbeat = heartbeat
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, merging: Any) -> None:
+        self._tasks = [asyncio.create_task(merging, name="asyncrawl-merge"),
+                       asyncio.create_task(self.heartbeat.run(), name="asyncrawl-heartbeat")]
+
+    def merging(self) -> bool:
+        return bool(self._tasks) and not self._tasks[0].done()
+
+    async def close(self) -> None:
+        """Stop both; publish this run's halt if the heartbeat has not yet."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(StorageError):
+            await self.heartbeat.publish()
 
 
 async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:

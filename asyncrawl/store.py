@@ -2,6 +2,10 @@
 ``Store``. The implementation for a state directory is SQLite (``sqlstore.py``);
 ``open_store`` and ``read_store`` pick it.
 
+A job shared by many processes lives in PostgreSQL instead (``pgstore.py``: a URL as the
+location, and the job's name); its runs do not ``admit`` their own IDs but ``merge`` them into
+the job and ``claim`` batches under a lease (``jobwide.py``).
+
 A store is batch-oriented, so that a database can implement it with one statement per chunk
 and one transaction per group commit; nothing in the interface loads every ID into memory:
 
@@ -39,6 +43,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, overload
 
+from .errors import ConfigError
+from .pgstore import PgStore, is_url
 from .records import Counts, Record, Snapshot
 from .sqlstore import SqliteStore
 
@@ -74,20 +80,33 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
-async def open_store(location: str | os.PathLike[str]) -> Store:
-    """The store at ``location`` (a state directory), opened and locked for a run."""
+async def open_store(location: str | os.PathLike[str], job: str = "default", *,
+                     lease: float = 30.0) -> Store:
+    """The store at ``location`` (a state directory, or a PostgreSQL URL and the ``job``'s
+    name), opened for a run (a state directory: locked)."""
+    if is_url(location):
+        return await PgStore.open(str(location), job, lease)
     return await SqliteStore.open(location)
 
 
 @overload
-def read_store(location: str | os.PathLike[str]) -> Store: ...
+def read_store(location: str | os.PathLike[str], *, job: str = ...) -> Store: ...
 @overload
-def read_store(location: str | os.PathLike[str], *, missing_ok: bool) -> Store | None: ...
+def read_store(location: str | os.PathLike[str], *, missing_ok: bool, job: str = ...
+               ) -> Store | None: ...
 
 
-def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False) -> Store | None:
+def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False,
+               job: str = "default") -> Store | None:
     """The store at ``location``, read-only and unlocked (a run may be going). Where no run
     ever wrote: ``None`` if ``missing_ok``, else ``ConfigError`` (a wrong ``--state``)."""
+    if is_url(location):
+        try:
+            return PgStore.reader(str(location), job)
+        except ConfigError:
+            if missing_ok:
+                return None
+            raise
     if missing_ok and not SqliteStore.exists(location):
         return None
     return SqliteStore.reader(location)

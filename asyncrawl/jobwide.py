@@ -1,0 +1,137 @@
+"""A job shared by many processes (``pgstore.PgStore``): where a run's IDs come from, and how
+the job's signals reach this run.
+
+::
+
+    IDs given ─► merge ─► the job's table ◄─ claim (leases) ─► IdQueue ─► workers ...
+                                  ▲
+                 heartbeat ───────┘  leases extended; the job's halt, pause and live runs
+
+* ``merge`` adds the run's IDs (a file, or chunks) to the job, while fetching already runs.
+* ``claimed`` is a pass's producer input: batches of IDs leased from the job, until no work of
+  the pass is left anywhere (held by another run, claimable, or still being merged).
+* ``heartbeat`` runs beside the passes: it keeps this run's leases, and brings the job into
+  the run: a halt published by another run stops this one (exit 3, no second alert); a
+  pause (429 with Retry-After) seen anywhere holds this run's requests too; this run takes
+  ``1 / live runs`` of the job's rate and burst. This run's own fatal halt and pauses are
+  published for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from .errors import StorageError
+from .governor import Governor
+from .pgstore import HEARTBEAT, PgStore
+from .source import IdsFile
+from .types import Halt
+from .worker import Stop
+
+log = logging.getLogger("asyncrawl")
+
+JOB_WIDE = ("fatal",)  # halts that stop every run of the job
+MERGE = 100_000  # IDs per merge transaction (after the first chunk)
+
+
+async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> int:
+    """Add every ID of ``source`` to the job; how many were new."""
+    chunks = source.chunks() if isinstance(source, IdsFile) else source
+    added = 0
+    block: list[str] = []
+    await store.set_merging(True)
+    try:
+        async for chunk in chunks:  # the first chunk at once (fetching starts), then blocks
+            block += chunk
+            if len(block) >= (MERGE if added else 1):
+                added += await store.merge(block)
+                block = []
+        if block:
+            added += await store.merge(block)
+    finally:
+        await store.set_merging(False)
+    return added
+
+
+async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],
+                  batch_size: int) -> AsyncIterator[list[tuple[str, str | None, int | None,
+                                                              str | None, int]]]:
+    """Batches of ``(id, state, status, error, tries)`` leased from the job for the pass,
+    until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
+    ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that
+    other runs could be fetching."""
+    while not stop.is_set():
+        batch = await store.claim(pass_no, batch_size)
+        if batch:
+            yield batch
+            continue
+        if merging() or await store.pass_left(pass_no):
+            await asyncio.sleep(HEARTBEAT)  # more may come, or another run's leases run out
+            continue
+        return
+
+
+class Heartbeat:
+    """The run's side of the job's signals (see the module's docstring)."""
+
+    def __init__(self, store: PgStore, stop: Stop, governor: Callable[[], Governor | None]
+                 ) -> None:
+        self.store = store
+        self.stop = stop
+        self.governor = governor
+        self.halted_elsewhere = False  # another run's halt came first: it sends the alerts
+        self.live = 1
+        self._published_halt = False
+        self._published_pause = 0.0  # the loop's time until which our pause is published
+
+    async def run(self) -> None:
+        """Until cancelled, or the database fails (then the run stops: exit 5)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self.beat(loop.time())
+                await asyncio.sleep(HEARTBEAT)
+        except StorageError as e:
+            if not self.stop.is_set():
+                self.stop.set(Halt("storage", None, str(e)))
+
+    async def publish(self) -> None:
+        """Publish this run's job-wide halt, once (a halt that came from another run is not
+        published again; if another run's was published first, that one sends the alerts)."""
+        halt = self.stop.halt
+        if halt is not None and halt.reason in JOB_WIDE and not self._published_halt \
+                and not self.halted_elsewhere:
+            self._published_halt = True
+            if not await self.store.publish_halt(halt):
+                self.halted_elsewhere = True
+
+    async def beat(self, now: float) -> None:
+        store, stop, gov = self.store, self.stop, self.governor()
+        await self.publish()
+        if gov is not None and gov.paused_until > self._published_pause + 0.05:
+            self._published_pause = gov.paused_until
+            await store.publish_pause(gov.paused_until - now)
+        signal = await store.heartbeat()
+        if signal.halt is not None and not stop.is_set():
+            self.halted_elsewhere = True
+            stop.set(Halt(signal.halt.reason, signal.halt.status,
+                          f"halted by another process of the job: {signal.halt.message}"))
+        self.live = signal.live
+        if gov is not None:
+            if signal.pause_for > gov.paused_for + 0.05:
+                gov.pause(signal.pause_for)
+                self._published_pause = max(self._published_pause, gov.paused_until)
+            if signal.live != gov.runs:
+                log.info("%d processes work on the job: this one takes 1/%d of its rate",
+                         signal.live, signal.live)
+                gov.share(signal.live)
+
+    async def join(self) -> None:
+        """Before the run's first request: take its share of the job's rate, and give the
+        runs already at work the time to take theirs (their next heartbeat), so that together
+        they never go over the job's rate."""
+        await self.beat(asyncio.get_running_loop().time())
+        if self.live > 1:
+            await asyncio.sleep(2 * HEARTBEAT)

@@ -1,0 +1,653 @@
+"""[5] The state store of a job shared by many processes: PostgreSQL (a ``store.Store``).
+
+``[state] url = "postgresql://user@host/db"`` and ``[state] job = "notes"``: one database holds
+many jobs; any number of ``asyncrawl run`` processes, on any number of machines, work on one
+job together. The job-queue pattern of pgqueuer and procrastinate:
+
+* **merge**: a process given IDs adds them to the job (``INSERT … ON CONFLICT DO NOTHING``, a
+  block of IDs per statement), while fetching already runs;
+* **claim**: a process takes a batch of open IDs with ``SELECT … FOR UPDATE SKIP LOCKED`` and
+  holds them under a **lease** (``lease_until``, on the database's clock, so hosts' clocks do
+  not matter); its heartbeat extends the leases of what it holds; a dead process's leases run
+  out and its IDs are claimed again; if its ``sent`` intent had been committed, the ID is
+  reported in doubt (possibly billed), exactly as on one machine;
+* **job-wide signals**, read by every heartbeat (every ``HEARTBEAT`` s): a fatal halt
+  (401/402) published by one process stops all of them; a pause (429 with Retry-After) holds
+  all of them; each process takes ``1 / live processes`` of the job's rate and burst.
+
+Durability: each group commit is one transaction (PostgreSQL's ``synchronous_commit = on``: a
+committed transaction is on disk). Tables (created on first use, in the connection's schema)::
+
+    asyncrawl_jobs(job, identity, generation, halt_gen, halt, pause_until)
+    asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
+                   ended, error, halt_reason, halt_status, halt_message)
+    asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
+                    generation, lease_owner, lease_until, sent_run, sends, doubt)
+    asyncrawl_ledger(job, day, endpoint, sent, billable)
+
+A job's *generation* counts the times it was started with no process working on it: pass 1
+of a generation takes the IDs without an outcome and those that failed in an earlier
+generation; pass 2 takes what failed in this one, once no pass-1 work is left anywhere.
+
+psycopg 3 (``pip install 'asyncrawl[postgres]'``): libpq's own connection handling (the URL,
+``PG*`` environment variables, ``~/.pgpass``), COPY and arrays; its blocking calls run off the
+event loop (the writer's thread, or ``asyncio.to_thread``), as the SQLite store's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .config import endpoint_of
+from .errors import ConfigError, StorageError
+from .records import OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
+from .types import Halt
+
+log = logging.getLogger("asyncrawl")
+
+SCHEMES = ("postgresql://", "postgres://")
+LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
+HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
+LIVE = 3.0  # a run whose heartbeat is older than this is not counted as working
+# The IDs of each pass of a generation: pass 1 those without an outcome and those that failed in
+# an earlier generation; pass 2 those that failed in pass 1 of this one.
+_PASS = {
+    1: "(state IS NULL OR (state IN ('failed', 'perm') AND generation < %(gen)s))",
+    2: "(state IN ('failed', 'perm') AND generation = %(gen)s AND pass = 1)",
+}
+EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
+NOW = "extract(epoch from clock_timestamp())::float8"
+
+SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS asyncrawl_jobs (
+    job text PRIMARY KEY, identity jsonb, generation integer NOT NULL DEFAULT 0,
+    halt_gen integer, halt jsonb, pause_until double precision
+);
+CREATE TABLE IF NOT EXISTS asyncrawl_runs (
+    run bigserial PRIMARY KEY, job text NOT NULL, generation integer NOT NULL, host text,
+    pid integer, version text, started double precision NOT NULL DEFAULT {NOW},
+    heartbeat double precision NOT NULL DEFAULT {NOW}, merging boolean NOT NULL DEFAULT false,
+    ended double precision, error text, halt_reason text, halt_status integer, halt_message text
+);
+CREATE INDEX IF NOT EXISTS asyncrawl_runs_job ON asyncrawl_runs (job, ended);
+CREATE TABLE IF NOT EXISTS asyncrawl_items (
+    job text NOT NULL, id text NOT NULL, state text, status integer, error text,
+    pass integer, tries integer, paid integer NOT NULL DEFAULT 0, fetched_at double precision,
+    data bytea, generation integer NOT NULL DEFAULT 0, lease_owner bigint,
+    lease_until double precision, sent_run bigint, sends integer NOT NULL DEFAULT 0,
+    doubt integer, PRIMARY KEY (job, id)
+);
+CREATE INDEX IF NOT EXISTS asyncrawl_items_open ON asyncrawl_items (job, lease_until)
+    WHERE state IS NULL OR state IN ('failed', 'perm');
+CREATE INDEX IF NOT EXISTS asyncrawl_items_state ON asyncrawl_items (job, state)
+    WHERE state IS NOT NULL;
+CREATE INDEX IF NOT EXISTS asyncrawl_items_doubt ON asyncrawl_items (job, doubt)
+    WHERE doubt IS NOT NULL;
+CREATE TABLE IF NOT EXISTS asyncrawl_ledger (
+    job text NOT NULL, day text NOT NULL, endpoint text NOT NULL,
+    sent bigint NOT NULL DEFAULT 0, billable bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (job, day, endpoint)
+);
+CREATE OR REPLACE VIEW asyncrawl_results AS
+    SELECT job, id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status,
+           error, fetched_at, convert_from(data, 'UTF8')::jsonb AS data
+    FROM asyncrawl_items WHERE state IS NOT NULL;
+"""
+
+# An outcome: ok is final (the first ok is the ID's result; later ones add only their bill);
+# it ends the ID's lease and its open "sent" intent.
+UPSERT_OUTCOME = """
+INSERT INTO asyncrawl_items AS i
+    (job, id, state, status, error, pass, tries, paid, fetched_at, data, generation)
+SELECT %(job)s, v.*, %(gen)s FROM unnest(%(id)s::text[], %(state)s::text[], %(status)s::int[],
+    %(error)s::text[], %(pass)s::int[], %(tries)s::int[], %(paid)s::int[],
+    %(ts)s::float8[], %(data)s::bytea[]) AS v
+ON CONFLICT (job, id) DO UPDATE SET
+    state = CASE WHEN i.state = 'ok' THEN 'ok' ELSE excluded.state END,
+    status = CASE WHEN i.state = 'ok' THEN i.status ELSE excluded.status END,
+    error = CASE WHEN i.state = 'ok' THEN i.error ELSE excluded.error END,
+    pass = CASE WHEN i.state = 'ok' THEN i.pass ELSE excluded.pass END,
+    tries = CASE WHEN i.state = 'ok' THEN i.tries ELSE excluded.tries END,
+    fetched_at = CASE WHEN i.state = 'ok' THEN i.fetched_at ELSE excluded.fetched_at END,
+    data = CASE WHEN i.state = 'ok' THEN i.data ELSE excluded.data END,
+    generation = excluded.generation,
+    paid = i.paid + excluded.paid,
+    sent_run = NULL, lease_owner = NULL, lease_until = NULL,
+    doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
+"""
+UPSERT_SENT = """
+INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends)
+SELECT %(job)s, v.id, %(run)s, 1 FROM unnest(%(id)s::text[]) AS v(id)
+ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1
+"""
+ADD_LEDGER = """
+INSERT INTO asyncrawl_ledger (job, day, endpoint, sent, billable) VALUES (%s, %s, %s, %s, %s)
+ON CONFLICT (job, day, endpoint) DO UPDATE SET
+    sent = asyncrawl_ledger.sent + excluded.sent,
+    billable = asyncrawl_ledger.billable + excluded.billable
+"""
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether a ``--state`` / ``[state]`` location names a PostgreSQL database."""
+    return isinstance(location, str) and location.startswith(SCHEMES)
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError:
+        raise ConfigError("a postgresql:// state needs the 'postgres' extra: "
+                          "pip install 'asyncrawl[postgres]'") from None
+    return psycopg
+
+
+def safe_url(url: str) -> str:
+    """The URL without its password (for messages)."""
+    head, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{head}{sep}{user}@{host}"
+
+
+@dataclass(frozen=True, slots=True)
+class JobSignal:
+    """What a heartbeat learns of the job: a halt published since this run started, a pause
+    (seconds left), and how many runs work on it now (this one included)."""
+
+    halt: Halt | None
+    pause_for: float
+    live: int
+
+
+class PgStore:
+    """One job in a PostgreSQL database. ``PgStore.open`` for a run, ``PgStore.reader`` for
+    ``status`` / ``export``."""
+
+    shared = True  # many processes work on the job: the run claims its IDs from the store
+
+    def __init__(self, url: str, job: str, conns: dict[str, Any], lease: float = LEASE) -> None:
+        self.url = url
+        self.lease = lease
+        self.job_name = job
+        self.location = f"{safe_url(url)} (job {job!r})"
+        self._conns = conns  # "writer" (the writer's thread), "work" (claims), "control"
+        self._run: int | None = None
+        self._gen = 0
+        self._started = 0.0
+        self._endpoint = ""
+        self._dead = False
+        self._day = (-1, "")
+        self._locks = {name: threading.Lock() for name in conns}
+        self.job: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<PgStore {self.location} run={self._run} gen={self._gen}>"
+
+    # -- opening -------------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, url: str, job: str, lease: float = LEASE) -> PgStore:
+        """Connect for a run and create the tables if needed (the run is registered by its
+        ``run`` record). ``lease``: seconds a claim holds its IDs without a heartbeat."""
+        return await asyncio.to_thread(cls._open_sync, url, job, True, lease)
+
+    @classmethod
+    def reader(cls, url: str, job: str) -> PgStore:
+        """Connect read-only (``ConfigError`` if the job does not exist)."""
+        store = cls._open_sync(url, job, False)
+        if store.job is None and not store._job_exists():
+            with contextlib.suppress(Exception):
+                store._close_sync()
+            raise ConfigError(f"no job {job!r} in {safe_url(url)}: nothing has run with it (check "
+                              "--job / [state] job, and --state / [state] url)")
+        return store
+
+    @classmethod
+    def _open_sync(cls, url: str, job: str, for_run: bool, lease: float = LEASE) -> PgStore:
+        psycopg = _psycopg()
+        names = ("writer", "work", "control") if for_run else ("control", "work")
+        conns: dict[str, Any] = {}
+        try:
+            for name in names:
+                conns[name] = psycopg.connect(url, autocommit=True, connect_timeout=10,
+                                              application_name=f"asyncrawl {name}")
+            store = cls(url, job, conns, lease)
+            store._ensure_schema()
+            store.job = store._identity()
+        except psycopg.Error as e:
+            for c in conns.values():
+                with contextlib.suppress(Exception):
+                    c.close()
+            raise _storage_error(e, url, "connect to the state database") from None
+        return store
+
+    def _ensure_schema(self) -> None:
+        db = self._conns["control"]
+        with db.transaction():
+            db.execute("SELECT pg_advisory_xact_lock(hashtext('asyncrawl schema'))")
+            db.execute(SCHEMA)
+
+    def _identity(self) -> dict[str, Any] | None:
+        row = self._conns["control"].execute(
+            "SELECT identity FROM asyncrawl_jobs WHERE job = %s", (self.job_name,)).fetchone()
+        return row[0] if row else None
+
+    def _job_exists(self) -> bool:
+        return self._conns["control"].execute(
+            "SELECT 1 FROM asyncrawl_jobs WHERE job = %s", (self.job_name,)).fetchone() is not None
+
+    @contextlib.contextmanager
+    def _db(self, name: str, doing: str) -> Iterator[Any]:
+        """A connection, used by one thread at a time; psycopg's errors as ``StorageError``."""
+        psycopg = _psycopg()
+        with self._locks[name]:
+            try:
+                yield self._conns[name]
+            except psycopg.Error as e:
+                raise _storage_error(e, self.url, doing) from None
+
+    # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
+
+    def _start_run(self, rec: Record) -> None:
+        """Register the run (in the writer's transaction), and start a new generation of the
+        job if no other run is working on it."""
+        db = self._conns["writer"]
+        extra = rec.extra or {}
+        job = extra.get("job")
+        db.execute("INSERT INTO asyncrawl_jobs (job, identity) VALUES (%s, %s) "
+                   "ON CONFLICT (job) DO NOTHING", (self.job_name, _jsonb(job)))
+        db.execute("SELECT 1 FROM asyncrawl_jobs WHERE job = %s FOR UPDATE", (self.job_name,))
+        live = db.execute(
+            f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS NULL "
+            f"AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
+        if not live:
+            db.execute("UPDATE asyncrawl_jobs SET generation = generation + 1, pause_until = NULL "
+                       "WHERE job = %s", (self.job_name,))
+            # the intents of runs that died: in doubt (possibly billed)
+            db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND state IS NULL "
+                       "AND sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,))
+            db.execute("UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
+                       "lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
+                       "lease_owner IS NOT NULL) AND (state IS NULL OR state IN "
+                       "('failed', 'perm'))", (self.job_name,))
+            db.execute("UPDATE asyncrawl_runs SET ended = heartbeat, error = 'died' "
+                       "WHERE job = %s AND ended IS NULL", (self.job_name,))
+        if job is not None:
+            db.execute("UPDATE asyncrawl_jobs SET identity = %s WHERE job = %s",
+                       (_jsonb(job), self.job_name))
+        self._gen = db.execute("SELECT generation FROM asyncrawl_jobs WHERE job = %s",
+                               (self.job_name,)).fetchone()[0]
+        run, started = db.execute(
+            "INSERT INTO asyncrawl_runs (job, generation, host, pid, version) "
+            "VALUES (%s, %s, %s, %s, %s) RETURNING run, started",
+            (self.job_name, self._gen, socket.gethostname(), extra.get("pid"),
+             extra.get("version"))).fetchone()
+        self._run, self._started = run, started
+        self._endpoint = endpoint_of((job or {}).get("url", ""))
+        self.job = job
+
+    async def merge(self, ids: Sequence[str]) -> int:
+        """Add a chunk of IDs to the job (those it has already are left as they are); how many
+        were new."""
+        return await asyncio.to_thread(self._merge, list(ids))
+
+    def _merge(self, ids: list[str]) -> int:
+        """COPY the chunk into a temporary table, then one ``INSERT … ON CONFLICT DO NOTHING``
+        (another run may be merging the same IDs)."""
+        text = "\n".join(ids) + "\n"
+        if "\\" in text or "\t" in text or "\r" in text:  # COPY's text format escapes these
+            text = text.replace("\\", "\\\\").replace("\t", "\\t").replace("\r", "\\r")
+        with self._db("work", "add IDs to the job") as db, db.transaction():
+            db.execute("CREATE TEMP TABLE IF NOT EXISTS asyncrawl_merging (id text) "
+                       "ON COMMIT DELETE ROWS")
+            with db.cursor().copy("COPY asyncrawl_merging (id) FROM STDIN") as copy:
+                copy.write(text.encode("utf-8", "surrogatepass"))
+            cur = db.execute("INSERT INTO asyncrawl_items (job, id, generation) SELECT %s, id, %s "
+                             "FROM asyncrawl_merging ON CONFLICT DO NOTHING",
+                             (self.job_name, self._gen))
+            return cur.rowcount
+
+    async def set_merging(self, merging: bool) -> None:
+        """Say whether this run is still adding IDs (the job's pass 1 waits for every merge)."""
+        def go() -> None:
+            with self._db("control", "update the run") as db:
+                db.execute("UPDATE asyncrawl_runs SET merging = %s WHERE run = %s",
+                           (merging, self._run))
+        await asyncio.to_thread(go)
+
+    async def claim(self, pass_no: int, n: int
+                    ) -> list[tuple[str, str | None, int | None, str | None, int]]:
+        """Lease up to ``n`` IDs of the pass that nobody holds: ``(id, state, status, error,
+        tries)``. An ID whose ``sent`` intent was committed by a run that is gone is in doubt
+        from now on (possibly billed)."""
+        return await asyncio.to_thread(self._claim, pass_no, n)
+
+    def _claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, int | None,
+                                                          str | None, int]]:
+        with self._db("work", "claim IDs") as db:
+            rows = db.execute(f"""
+                UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
+                    lease_until = {NOW} + %(lease)s,
+                    doubt = CASE WHEN i.sent_run IS NOT NULL AND i.doubt IS NULL THEN 0
+                                 ELSE i.doubt END,
+                    sent_run = NULL
+                FROM (SELECT id FROM asyncrawl_items
+                      WHERE job = %(job)s AND {_PASS[pass_no]}
+                        AND (lease_until IS NULL OR lease_until < {NOW})
+                      LIMIT %(n)s FOR UPDATE SKIP LOCKED) AS c
+                WHERE i.job = %(job)s AND i.id = c.id
+                RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
+                {"run": self._run, "lease": self.lease, "job": self.job_name, "gen": self._gen,
+                 "n": n}).fetchall()
+        return [tuple(r) for r in rows]  # type: ignore[misc]
+
+    async def pass_left(self, pass_no: int) -> bool:
+        """Whether the pass has work anywhere but in this run's hands: IDs another run holds
+        or may claim, or a run still adding IDs."""
+        return await asyncio.to_thread(self._pass_left, pass_no)
+
+    def _pass_left(self, pass_no: int) -> bool:
+        with self._db("work", "read the job") as db:
+            row = db.execute(f"""
+                SELECT EXISTS (SELECT 1 FROM asyncrawl_items WHERE job = %(job)s
+                               AND {_PASS[pass_no]} AND lease_owner IS DISTINCT FROM %(run)s)
+                    OR EXISTS (SELECT 1 FROM asyncrawl_runs WHERE job = %(job)s
+                               AND ended IS NULL AND merging AND heartbeat > {NOW} - %(live)s
+                               AND run <> %(run)s)""",
+                {"job": self.job_name, "gen": self._gen, "run": self._run,
+                 "live": LIVE}).fetchone()
+        return bool(row[0])
+
+    async def heartbeat(self) -> JobSignal:
+        """Extend this run's leases and liveness; read the job's halt, pause and live runs."""
+        return await asyncio.to_thread(self._heartbeat)
+
+    def _heartbeat(self) -> JobSignal:
+        with self._db("control", "send the heartbeat") as db:
+            db.execute(f"UPDATE asyncrawl_items SET lease_until = {NOW} + %s WHERE job = %s "
+                       "AND lease_owner = %s AND (state IS NULL OR state IN ('failed', 'perm'))",
+                       (self.lease, self.job_name, self._run))
+            db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW} WHERE run = %s", (self._run,))
+            halt_gen, halt, pause_until, now, live = db.execute(f"""
+                SELECT j.halt_gen, j.halt, j.pause_until, {NOW},
+                       (SELECT count(*) FROM asyncrawl_runs r WHERE r.job = j.job
+                        AND r.ended IS NULL AND r.heartbeat > {NOW} - %s)
+                FROM asyncrawl_jobs j WHERE j.job = %s""", (LIVE, self.job_name)).fetchone()
+        h = None
+        if halt_gen == self._gen and halt and halt.get("run") != self._run:
+            h = Halt(halt.get("reason", "fatal"), halt.get("status"), halt.get("message", ""))
+        return JobSignal(h, max(0.0, (pause_until or 0.0) - now), max(1, int(live)))
+
+    async def publish_halt(self, halt: Halt) -> bool:
+        """Halt every run of this generation of the job (they see it at their next
+        heartbeat); ``False`` if another run's halt was published first (its alerts go)."""
+        def go() -> bool:
+            with self._db("control", "publish the halt") as db:
+                cur = db.execute(
+                    "UPDATE asyncrawl_jobs SET halt_gen = %s, halt = %s WHERE job = %s "
+                    "AND halt_gen IS DISTINCT FROM %s",
+                    (self._gen, _jsonb({"reason": halt.reason, "status": halt.status,
+                                        "message": halt.message, "run": self._run}),
+                     self.job_name, self._gen))
+                return cur.rowcount == 1
+        return await asyncio.to_thread(go)
+
+    async def publish_pause(self, seconds: float) -> None:
+        """Hold every run's new requests for ``seconds`` (extends, never shortens, a pause)."""
+        def go() -> None:
+            with self._db("control", "publish the pause") as db:
+                db.execute(f"UPDATE asyncrawl_jobs SET pause_until = greatest(coalesce("
+                           f"pause_until, 0), {NOW} + %s) WHERE job = %s",
+                           (seconds, self.job_name))
+        await asyncio.to_thread(go)
+
+    # -- the Store interface: a run's reads ----------------------------------------------------
+
+    async def lookup(self, ids: Sequence[str]) -> dict[str, str]:
+        def go() -> dict[str, str]:
+            with self._db("work", "read the job") as db:
+                rows = db.execute("SELECT id, state FROM asyncrawl_items WHERE job = %s AND "
+                                  "id = ANY(%s) AND state IS NOT NULL",
+                                  (self.job_name, list(ids))).fetchall()
+            return {r[0]: r[1] for r in rows}
+        return await asyncio.to_thread(go)
+
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
+        """(Not used for a shared job: its runs ``merge`` and ``claim``.)"""
+        raise NotImplementedError("a shared job's IDs are merged and claimed")
+
+    async def run_counts(self, *, whole: bool = False) -> Counts:
+        """The job's IDs by state (a shared job's summary is the job's)."""
+        def go() -> Counts:
+            with self._db("work", "read the job") as db:
+                by = dict(db.execute("SELECT coalesce(state, 'pending'), count(*) FROM "
+                                     "asyncrawl_items WHERE job = %s GROUP BY 1",
+                                     (self.job_name,)).fetchall())
+            return Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
+                          unavailable=by.get("unavailable", 0), pending=by.get("pending", 0))
+        return await asyncio.to_thread(go)
+
+    def resume_point(self, source: dict[str, Any]) -> dict[str, int] | None:
+        return None  # a shared job merges what it is given
+
+    def unsettled(self) -> Iterator[list[str]]:
+        return iter(())
+
+    def source_lines(self, source: dict[str, Any]) -> int | None:
+        return None
+
+    # -- the Store interface: the writer's commit ----------------------------------------------
+
+    def commit(self, records: Sequence[Record]) -> None:
+        """One transaction for the batch: durable when this returns."""
+        if self._dead:
+            raise StorageError("the state database failed earlier; nothing more is written",
+                               path=safe_url(self.url))
+        psycopg = _psycopg()
+        db = self._conns["writer"]
+        try:
+            with self._locks["writer"], db.transaction():
+                self._apply(records)
+        except psycopg.Error as e:
+            self._dead = True
+            raise _storage_error(e, self.url, "write the state database") from None
+
+    def _apply(self, records: Sequence[Record]) -> None:
+        db = self._conns["writer"]
+        sent: list[str] = []
+        outcomes: list[Record] = []
+        ledger: Counter[tuple[str, str]] = Counter()
+        for rec in records:
+            kind = rec.kind
+            days = int(rec.ts // 86400)
+            if days != self._day[0]:
+                self._day = (days, utc_day(rec.ts))
+            day = self._day[1]
+            if kind == "sent":
+                sent.append(rec.id or "")
+                ledger[(day, "sent")] += 1
+            elif kind in OUTCOME_KINDS:
+                outcomes.append(rec)
+            elif kind == "billed":
+                db.execute("UPDATE asyncrawl_items SET paid = paid + %s WHERE job = %s AND id = %s",
+                           (rec.paid, self.job_name, rec.id))
+            elif kind == "run":
+                self._start_run(rec)
+            elif kind == "halt":
+                db.execute("UPDATE asyncrawl_runs SET halt_reason = %s, halt_status = %s, "
+                           "halt_message = %s WHERE run = %s",
+                           ((rec.extra or {}).get("reason"), rec.status, rec.error, self._run))
+            elif kind == "end":
+                self._end_run(rec, sent, outcomes)
+                sent, outcomes = [], []
+            if rec.paid:
+                ledger[(day, "billable")] += rec.paid
+        self._flush(sent, outcomes)
+        for (day, what), n in sorted(ledger.items()):
+            db.execute(ADD_LEDGER, (self.job_name, day, self._endpoint,
+                                    n if what == "sent" else 0, n if what == "billable" else 0))
+
+    def _flush(self, sent: list[str], outcomes: list[Record]) -> None:
+        db = self._conns["writer"]
+        for part in _distinct(sent, lambda x: x):
+            db.execute(UPSERT_SENT, {"job": self.job_name, "run": self._run, "id": part})
+        for group in _distinct(outcomes, lambda r: r.id):
+            db.execute(UPSERT_OUTCOME, {
+                "job": self.job_name, "gen": self._gen,
+                "id": [r.id for r in group], "state": [r.state for r in group],
+                "status": [r.status for r in group], "error": [r.error for r in group],
+                "pass": [r.pass_no for r in group], "tries": [r.tries for r in group],
+                "paid": [r.paid for r in group], "ts": [r.ts for r in group],
+                "data": [_data(r) if r.kind == "ok" else None for r in group]})
+
+    def _end_run(self, rec: Record, sent: list[str], outcomes: list[Record]) -> None:
+        """The run's end: what was cut off in flight is in doubt; what it held and did not
+        send goes back to the job at once."""
+        self._flush(sent, outcomes)
+        db = self._conns["writer"]
+        extra = rec.extra or {}
+        cut = list(extra.get("in_doubt", ()))
+        if cut:
+            db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND id = ANY(%s) "
+                       "AND doubt IS NULL", (self.job_name, cut))
+        db.execute("UPDATE asyncrawl_items SET lease_owner = NULL, lease_until = NULL, "
+                   "sent_run = NULL WHERE job = %s AND lease_owner = %s",
+                   (self.job_name, self._run))
+        db.execute(f"UPDATE asyncrawl_runs SET ended = {NOW}, error = %s, merging = false "
+                   "WHERE run = %s", (extra.get("error"), self._run))
+
+    # -- the Store interface: figures and streams ---------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        with self._db("control", "read the job") as db:
+            by = dict(db.execute("SELECT state, count(*) FROM asyncrawl_items WHERE job = %s "
+                                 "AND state IS NOT NULL GROUP BY state",
+                                 (self.job_name,)).fetchall())
+            ledger, sent = [], 0
+            for day, endpoint, n_sent, n_billable in db.execute(
+                    "SELECT day, endpoint, sent, billable FROM asyncrawl_ledger WHERE job = %s "
+                    "ORDER BY day, endpoint", (self.job_name,)):
+                sent += n_sent
+                if n_billable:
+                    ledger.append((day, endpoint, int(n_billable)))
+            doubt = dict(db.execute("SELECT doubt, count(*) FROM asyncrawl_items WHERE job = %s "
+                                    "AND doubt IS NOT NULL GROUP BY doubt",
+                                    (self.job_name,)).fetchall())
+            live = db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
+                              f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
+            open_sent = db.execute(
+                "SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state IS NULL AND "
+                "sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,)).fetchone()[0]
+            runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
+                              (self.job_name,)).fetchone()[0]
+            last = db.execute("SELECT halt_reason, halt_status, halt_message FROM asyncrawl_runs "
+                              "WHERE job = %s ORDER BY run DESC LIMIT 1",
+                              (self.job_name,)).fetchone()
+        halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
+        counts = Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
+                        unavailable=by.get("unavailable", 0))
+        return Snapshot(counts=counts, sent=int(sent),
+                        in_doubt=doubt.get(0, 0) + (open_sent if not live else 0),
+                        billed_twice=doubt.get(1, 0), in_flight=open_sent if live else 0,
+                        runs=runs, halt=halt, job=self.job, running=live or None,
+                        ledger=tuple(ledger))
+
+    def records(self, outcome: str) -> Iterator[Record]:
+        want = list(EXPORT_STATES[outcome])
+        with self._db("control", "read the job") as db, db.transaction(), \
+                db.cursor(name="export") as cur:
+            cur.execute("SELECT id, state, status, error, pass, tries, paid, fetched_at, data "
+                        "FROM asyncrawl_items WHERE job = %s AND state = ANY(%s) ORDER BY id",
+                        (self.job_name, want))
+            for item, state, status, error, pass_no, tries, paid, ts, data in cur:
+                yield tuple.__new__(Record, (
+                    "failed" if state == "perm" else state, item, status, error,
+                    state == "perm", None, pass_no or 1, tries or 0, paid, ts or 0.0, None,
+                    bytes(data) if data is not None else None))
+
+    def ids(self, outcome: str) -> Iterator[list[str]]:
+        want = list(EXPORT_STATES[outcome])
+        with self._db("control", "read the job") as db, db.transaction(), \
+                db.cursor(name="export_ids") as cur:
+            cur.execute("SELECT id FROM asyncrawl_items WHERE job = %s AND state = ANY(%s) "
+                        "ORDER BY id", (self.job_name, want))
+            while rows := cur.fetchmany(4096):
+                yield [row[0] for row in rows]
+
+    def in_doubt(self) -> Iterator[tuple[str, bool]]:
+        with self._db("control", "read the job") as db:
+            live = db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
+                              f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
+            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IS NOT NULL"
+            if not live:
+                query += " OR (state IS NULL AND sent_run IS NOT NULL)"
+            rows = db.execute(query + ") ORDER BY id", (self.job_name,)).fetchall()
+        for item, doubt in rows:
+            yield item, doubt == 1
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._close_sync)
+
+    def _close_sync(self) -> None:
+        for c in self._conns.values():
+            with contextlib.suppress(Exception):
+                c.close()
+
+    def __del__(self) -> None:  # a reader that ``status`` / ``export`` dropped: its connections
+        self._close_sync()
+
+
+def _storage_error(e: Exception, url: str, doing: str) -> StorageError:
+    """A psycopg error in an operator's words."""
+    psycopg = _psycopg()
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, psycopg.OperationalError):
+        return StorageError(f"cannot {doing}: the PostgreSQL server is unreachable or went away "
+                            f"({text}); nothing committed is lost, rerun to resume",
+                            path=safe_url(url))
+    return StorageError(f"cannot {doing}: {text}", path=safe_url(url))
+
+
+def _jsonb(value: Any) -> Any:
+    from psycopg.types.json import Jsonb
+
+    return Jsonb(value) if value is not None else None
+
+
+def _data(rec: Record) -> bytes | None:
+    if rec.raw is not None:
+        return rec.raw
+    return orjson.dumps(rec.data) if rec.data is not None else None
+
+
+def _distinct(rows: list[Any], key: Any) -> Iterator[list[Any]]:
+    """``rows`` in consecutive groups without a repeated key (one statement may not change a
+    row twice), in order."""
+    group: list[Any] = []
+    seen: set[Any] = set()
+    for row in rows:
+        k = key(row)
+        if k in seen:
+            yield group
+            group, seen = [], set()
+        group.append(row)
+        seen.add(k)
+    if group:
+        yield group
+
+
+__all__ = ["PgStore", "is_url", "safe_url"]

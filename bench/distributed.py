@@ -1,0 +1,148 @@
+"""Several processes on one job (the PostgreSQL store): scaling, the job-wide rate, the merge.
+
+What it measures
+----------------
+Against the mock API in a process of its own (``--latency`` s per answer, no faults), each
+scenario a new job in the PostgreSQL database ``--pg``:
+
+* **scaling**: 1, 2 and 4 ``asyncrawl run`` processes (``--concurrency`` each, the rate set out
+  of the way), all given the same IDs file (each merges it: the merge is idempotent); the
+  aggregate throughput is ``--ids`` / the wall time from the first start to the last exit,
+  and the ratio to one process. Latency-bound by design: one process's ceiling is
+  concurrency / latency.
+* **rate-bound**: 4 processes, the job's rate ``--rate`` (each takes a quarter), concurrency
+  64 each so that the rate binds: judged from the mock's log, the most requests started in
+  any 1-s window (bound: rate x 1.05 + burst) and the mean rate while all work (target: at
+  least 95 % of the rate).
+* **merge**: ``PgStore.merge`` of ``--merge-ids`` IDs into a new job, IDs per second.
+
+Usage::
+
+    .venv/bin/python bench/distributed.py [--pg URL] [--ids 4000] [--latency 0.1]
+        [--concurrency 16] [--rate 400] [--merge-ids 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from asyncrawl.testing import MockProcess  # noqa: E402
+
+ASYNCRAWL = [sys.executable, "-m", "asyncrawl"]
+
+
+def config(work: Path, url: str, pg: str, job: str, ids: Path, concurrency: int,
+           rate: float, burst: int) -> Path:
+    path = work / f"{job}-{uuid.uuid4().hex[:6]}.toml"
+    path.write_text(
+        f'[source]\nids = "{ids}"\n[request]\nurl = "{url}"\ntimeout = 30\n'
+        f"[limits]\nconcurrency = {concurrency}\nrate = {rate}\nburst = {burst}\n"
+        f'[passes]\ncooldown = 0\n[state]\nurl = "{pg}"\njob = "{job}"\n')
+    return path
+
+
+def crawl(work: Path, url: str, pg: str, ids: Path, processes: int, concurrency: int,
+          rate: float, burst: int) -> tuple[float, list[int]]:
+    """Run ``processes`` processes on a new job; (wall seconds, exit codes)."""
+    job = f"bench-{uuid.uuid4().hex[:10]}"
+    cfgs = [config(work, url, pg, job, ids, concurrency, rate, burst) for _ in range(processes)]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([*ASYNCRAWL, "run", "-c", str(c), "--no-progress"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for c in cfgs]
+    errs = [p.communicate()[1] for p in procs]
+    wall = time.perf_counter() - t0
+    for p, err in zip(procs, errs, strict=True):
+        if p.returncode != 0:
+            print(f"  exit {p.returncode}: {err.strip()[-800:]}", file=sys.stderr)
+    return wall, [p.returncode for p in procs]
+
+
+def window_max(starts: list[float], width: float = 1.0) -> int:
+    """The most events in any window of ``width`` seconds."""
+    best, j = 0, 0
+    for i, t in enumerate(starts):
+        while starts[j] < t - width:
+            j += 1
+        best = max(best, i - j + 1)
+    return best
+
+
+async def merge_rate(pg: str, n: int) -> float:
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    store = await PgStore.open(pg, f"bench-merge-{uuid.uuid4().hex[:10]}")
+    try:
+        store.commit([Record("run", extra={"version": "bench", "pid": os.getpid(), "job": None})])
+        ids = [f"item-{i:09d}" for i in range(n)]
+        t0 = time.perf_counter()
+        for i in range(0, n, 100_000):
+            await store.merge(ids[i:i + 100_000])
+        return n / (time.perf_counter() - t0)
+    finally:
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--pg", default=os.environ.get(
+        "ASYNCRAWL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test"))
+    p.add_argument("--ids", type=int, default=4000)
+    p.add_argument("--latency", type=float, default=0.1)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rate", type=float, default=400.0)
+    p.add_argument("--merge-ids", type=int, default=1_000_000)
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="asyncrawl-distributed-"))
+    ids = work / "ids.txt"
+    ids.write_text("".join(f"d{i}\n" for i in range(args.ids)))
+
+    print(f"merge: {asyncio.run(merge_rate(args.pg, args.merge_ids)):,.0f} IDs/s "
+          f"({args.merge_ids:,} IDs, batches of 100,000)")
+
+    with MockProcess(work / "scale.log", "--no-auth", "--faults", "none",
+                     "--latency", str(args.latency)) as mock:
+        base = None
+        print(f"\nscaling: {args.ids:,} IDs, latency {args.latency} s, concurrency "
+              f"{args.concurrency} each (one process's ceiling "
+              f"{args.concurrency / args.latency:,.0f}/s)")
+        for n in (1, 2, 4):
+            wall, codes = crawl(work, mock.item_url, args.pg, ids, n, args.concurrency,
+                                1e6, 100_000)
+            rate = args.ids / wall
+            base = base or rate
+            print(f"  {n} process{'es' if n > 1 else '  '}: {rate:7,.0f} req/s  "
+                  f"{rate / base:4.2f} x one  (exit {codes})")
+
+    log = work / "rate.log"
+    with MockProcess(log, "--no-auth", "--faults", "none", "--latency", "0.02") as mock:
+        burst = 10
+        wall, codes = crawl(work, mock.item_url, args.pg, ids, 4, 64, args.rate, burst)
+        entries = mock.settled_log()
+    starts = sorted(e.t for e in entries if e.event == "start")
+    worst = window_max(starts)
+    steady = [t for t in starts if starts[0] + 1.0 <= t <= starts[-1] - 1.0]
+    mean = len(steady) / (steady[-1] - steady[0]) if len(steady) > 1 else 0.0
+    print(f"\nrate-bound: 4 processes, job rate {args.rate:g}/s, burst {burst}, concurrency 64 "
+          f"each (exit {codes})")
+    print(f"  most starts in any 1-s window: {worst} (bound {args.rate * 1.05 + burst:.0f})")
+    print(f"  mean rate after the first and before the last second: {mean:,.1f}/s "
+          f"({mean / args.rate:.1%} of the rate; target >= 95 %)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

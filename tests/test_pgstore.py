@@ -1,0 +1,311 @@
+"""pgstore.py and jobwide.py: one job in PostgreSQL, shared by several real processes.
+
+Against the machine's PostgreSQL (``ASYNCRAWL_TEST_PG``, default
+postgresql://postgres@127.0.0.1:5432/test); each test has a job of its own. Skipped, saying
+why, only where no server answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrawl.records import Counts
+from asyncrawl.store import read_store
+from asyncrawl.testing import Fault, MockAPI
+
+from .conftest import KEY, cli, fast_config, write_config, write_ids
+
+PG = os.environ.get("ASYNCRAWL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+ENV = {"ASYNCRAWL_TEST_KEY": KEY}
+
+
+def _server_answers() -> str | None:
+    try:
+        import psycopg
+    except ImportError:
+        return "psycopg is not installed (pip install 'asyncrawl[postgres]')"
+    try:
+        psycopg.connect(PG, connect_timeout=3).close()
+    except psycopg.Error as e:
+        return f"no PostgreSQL server answers at {PG}: {e}"
+    return None
+
+
+_WHY = _server_answers()
+if _WHY is not None:
+    print(f"\ntest_pgstore: skipped: {_WHY}", file=sys.stderr)
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+
+
+@pytest.fixture
+def job() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+def pg_rows(query: str, *params: Any) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(PG) as db:
+        return db.execute(query, params).fetchall()
+
+
+def outcomes(job: str) -> dict[str, str]:
+    return dict(pg_rows("SELECT id, outcome FROM asyncrawl_results WHERE job = %s", job))  # type: ignore[arg-type]
+
+
+async def test_library_crawl_into_a_job_and_a_rerun_adds_only_new_ids(job: str) -> None:
+    faults = {"n404": Fault("not_found"), "f1": Fault("flaky", times=1)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job)
+        from asyncrawl import Crawler
+
+        ids = [f"a{i}" for i in range(299)] + ["f1", "n404", "a1", "a2"]  # duplicates: once
+        async with Crawler(cfg) as c:
+            s = await c.run(ids)
+        assert (s.ok, s.unavailable, s.failed, s.pending, s.halt) == (300, 1, 0, 0, None)
+        assert len(api.paid()) == 300 and len(set(api.paid())) == 300
+        async with Crawler(cfg) as c:  # a rerun with more IDs: pays only for the new ones
+            s = await c.run([f"a{i}" for i in range(349)])
+        assert (s.ok, s.unavailable) == (350, 1)
+        assert len(api.paid()) == 350 and len(set(api.paid())) == 350
+    assert outcomes(job)["n404"] == "unavailable"
+    store = read_store(PG, job=job)
+    snap = store.snapshot()
+    assert snap.counts == Counts(ok=350, failed=0, unavailable=1)
+    assert snap.billable == 350 and snap.in_doubt == 0 and snap.running is None
+    ok = {r.id: r.payload for r in store.records("ok")}
+    assert len(ok) == 350 and ok["a7"]["id"] == "a7" and "f1" in ok
+    assert sorted(x for b in store.ids("unavailable") for x in b) == ["n404"]
+
+
+def _run(config: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(config),
+                             "--no-progress", *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+
+
+def _config(tmp_path: Path, url: str, job: str, ids: Path | None, **sections: dict[str, Any]
+            ) -> Path:
+    path = write_config(tmp_path / f"config-{uuid.uuid4().hex[:6]}.toml", url,
+                        tmp_path / "unused", ids or tmp_path / "none.txt", **sections)
+    text = path.read_text().replace(f'dir = "{tmp_path / "unused"}"',
+                                    f'url = "{PG}"\njob = "{job}"\nlease = 2')
+    if ids is None:
+        text = text.replace(f'ids = "{tmp_path / "none.txt"}"', "")
+    path.write_text(text)
+    return path
+
+
+def _wait_for(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_three_processes_share_a_job_and_fetch_each_id_once(tmp_path: Path, job: str,
+                                                            mock_process: Any) -> None:
+    """One process is given the IDs, two join with none; all three work, each ID is paid
+    for once, and the job-wide rate holds: 3 processes at 300/s together within the bound."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.02")
+    ids = write_ids(tmp_path / "ids.txt", [f"x{i}" for i in range(3000)])
+    rate = {"limits": {"concurrency": 8, "rate": 300, "burst": 10}}
+    giver = _run(_config(tmp_path, mock.item_url, job, ids, **rate))
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s", job)[0][0],
+              30, "the first IDs merged")
+    joiners = [_run(_config(tmp_path, mock.item_url, job, None, **rate)) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in (giver, *joiners)]
+    codes = [p.returncode for p in (giver, *joiners)]
+    assert codes == [0, 0, 0], outs
+    log = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
+    assert collections.Counter(e.id for e in log) == {f"x{i}": 1 for i in range(3000)}
+    assert len(pg_rows("SELECT run FROM asyncrawl_runs WHERE job = %s", job)) == 3
+    # the job-wide rate: in any 1-s window, at most rate x 1.05 + burst answers started
+    starts = sorted(e.t for e in mock.settled_log() if e.event == "start")
+    worst = max(sum(1 for t in starts[i:i + 400] if t < s + 1.0) for i, s in enumerate(starts))
+    assert worst <= 300 * 1.05 + 10, worst
+    out = cli("status", "--state", PG, "--job", job, "--json")
+    assert out.returncode == 0, out.stderr
+    assert '"ok": 3000' in out.stdout
+
+
+def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = write_ids(tmp_path / "ids.txt", [f"k{i}" for i in range(2000)])
+    cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 16, "rate": 400})
+    victim = _run(cfg)
+    other = _run(_config(tmp_path, mock.item_url, job, None, limits={"concurrency": 16,
+                                                                     "rate": 400}))
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
+                              "state = 'ok'", job)[0][0] >= 300, 60, "300 IDs ok")
+    held = pg_rows("SELECT count(*) FROM asyncrawl_items i JOIN asyncrawl_runs r ON "
+                   "i.lease_owner = r.run WHERE i.job = %s AND r.pid = %s AND i.state IS NULL",
+                   job, victim.pid)[0][0]
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate(timeout=30)
+    _, err = other.communicate(timeout=120)
+    assert other.returncode == 0, err
+    log = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
+    paid = collections.Counter(e.id for e in log)
+    assert set(paid) == {f"k{i}" for i in range(2000)}  # nothing lost
+    twice = [i for i, n in paid.items() if n > 1]
+    assert len(twice) <= max(held, 16 + 256), (len(twice), held)  # at most what it held
+    snap = read_store(PG, job=job).snapshot()
+    assert snap.counts == Counts(ok=2000, failed=0, unavailable=0)
+    # what the dead process had sent without a result kept is reported in doubt
+    assert snap.in_doubt + snap.billed_twice >= len(twice)
+
+
+def test_a_402_seen_by_one_process_halts_all_within_a_second(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05",
+                        "--balance", "400")
+    ids = write_ids(tmp_path / "ids.txt", [f"h{i}" for i in range(5000)])
+    limits = {"limits": {"concurrency": 8, "rate": 500}}
+    alerts = tmp_path / "alerts.txt"
+    on_halt = {"alerts": {"on_halt": f"echo $ASYNCRAWL_REASON >> {alerts}"}}
+    # the second process does not take a 402 for fatal itself: it halts because the first did
+    blind = {"retry": {"max_tries": 3, "backoff_base": 0.01, "backoff_max": 0.05,
+                       "retry_after_max": 2, "fatal": [401]}}
+    procs = [_run(_config(tmp_path, mock.item_url, job, ids, **limits, **on_halt)),
+             _run(_config(tmp_path, mock.item_url, job, None, **limits, **on_halt, **blind))]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [3, 3], outs[1][1]
+    assert "halted by another process of the job" in outs[1][1]
+    entries = mock.settled_log()
+    first_402 = min(e.t for e in entries if e.event == "end" and e.status == 402)
+    last_start = max(e.t for e in entries if e.event == "start")
+    assert last_start - first_402 < 1.0 + 0.5  # within 1 s (+ the heartbeat's own read)
+    assert alerts.read_text().split() == ["fatal"]  # sent once, by the process that met it
+    ok = pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'", job)
+    assert ok[0][0] == 400  # every paid answer kept
+
+
+def test_status_and_export_of_a_job_that_does_not_exist_say_so(job: str) -> None:
+    out = cli("status", "--state", PG, "--job", job)
+    assert out.returncode == 2
+    assert f"no job {job!r}" in out.stderr
+
+
+def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: str,
+                                                          mock_process: Any) -> None:
+    """A TCP proxy in front of PostgreSQL, cut mid-run: the run stops, exit 5, saying the
+    server went away; a rerun through the server resumes and finishes."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(3000)])
+    proxy = subprocess.Popen([sys.executable, "-c", PROXY], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stdout is not None
+        port = int(proxy.stdout.readline())
+        via = PG.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
+        cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 500})
+        cfg.write_text(cfg.read_text().replace(PG, via))
+        run = _run(cfg)
+        _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
+                                  "state = 'ok'", job)[0][0] >= 200, 60, "200 IDs ok")
+        proxy.kill()
+        proxy.wait()
+        out, err = run.communicate(timeout=60)
+    finally:
+        if proxy.poll() is None:
+            proxy.kill()
+            proxy.wait()
+        if proxy.stdout is not None:
+            proxy.stdout.close()
+    assert run.returncode == 5, (out, err)
+    assert "PostgreSQL server is unreachable or went away" in err
+    assert "nothing committed is lost" in err
+    kept = pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'", job)
+    rerun = _run(_config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8,
+                                                                    "rate": 500}))
+    out, err = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, err
+    paid = collections.Counter(e.id for e in mock.settled_log()
+                               if e.event == "end" and e.status == 200)
+    assert set(paid) == {f"g{i}" for i in range(3000)}
+    assert sum(paid.values()) - 3000 <= 8 + 256  # re-fetched: at most what was in flight
+    assert kept[0][0] >= 200
+
+
+# A TCP forwarder to PostgreSQL that the test can cut (kill) mid-run.
+PROXY = """
+import asyncio, sys
+async def pipe(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+    finally:
+        w.close()
+async def handle(r, w):
+    ur, uw = await asyncio.open_connection("127.0.0.1", 5432)
+    await asyncio.gather(pipe(r, uw), pipe(ur, w), return_exceptions=True)
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def test_merge_is_idempotent_and_fast_enough(job: str) -> None:
+    """Merging IDs into a job: the same ones twice add nothing (the rate is in bench/)."""
+    from asyncrawl.pgstore import PgStore
+
+    async def go() -> tuple[int, int]:
+        store = await PgStore.open(PG, job)
+        try:
+            from asyncrawl.records import Record
+
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            a = await store.merge([f"m{i}" for i in range(20_000)])
+            b = await store.merge([f"m{i}" for i in range(10_000, 30_000)])
+            return a, b
+        finally:
+            await store.close()
+
+    assert asyncio.run(go()) == (20_000, 10_000)
+
+
+def test_the_readme_commands_for_several_machines_run(tmp_path: Path, job: str,
+                                                      mock_process: Any) -> None:
+    """The README's "Several machines" commands, against this machine's PostgreSQL."""
+    import re
+
+    from .conftest import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Several machines"):text.index("## Budget caps")]
+    body = re.search(r"<!-- not-run: needs a PostgreSQL server.*?-->\n```sh\n(.*?)```", section,
+                     re.S)
+    assert body is not None
+    script = body.group(1).replace("postgresql://crawler@db.internal:5432/crawls", PG)
+    script = script.replace("--job notes", f"--job {job}")
+    mock = mock_process("--api-key", KEY, "--faults", "demo", "--latency", "0.02")
+    ids = write_ids(tmp_path / "notes-ids.txt", [f"n-{i}" for i in range(400)])
+    write_config(tmp_path / "notes.toml", mock.item_url, tmp_path / "notes-state", ids)
+    r = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120,
+                       env={**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}"
+                                                         f"{os.pathsep}{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^ok\s+\d", r.stdout, re.M), r.stdout
+    paid = collections.Counter(e.id for e in mock.settled_log()
+                               if e.event == "end" and e.status == 200)
+    from asyncrawl.testing import demo_faults
+
+    again = {i for i, n in paid.items() if n > 1}  # a paid answer that did not parse: bought
+    assert paid and all(demo_faults(i).kind == "invalid_json" for i in again)  # again, once
+    assert not (tmp_path / "notes-state").exists()  # the state was the database's
