@@ -23,7 +23,8 @@ committed transaction is on disk). Tables (created on first use, in the connecti
                    ended, error, halt_reason, halt_status, halt_message)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
                     generation, lease_owner, lease_until, sent_run, sends, doubt)
-    asyncrawl_ledger(job, day, endpoint, sent, billable)
+    asyncrawl_ledger(job, day, endpoint, run, sent, billable)   (a row per run: no two runs'
+                                                                 commits wait for one row)
 
 A job's *generation* counts the times it was started with no process working on it: pass 1
 of a generation takes the IDs without an outcome and those that failed in an earlier
@@ -68,6 +69,7 @@ _PASS = {
 }
 EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 NOW = "extract(epoch from clock_timestamp())::float8"
+OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS asyncrawl_jobs (
@@ -95,13 +97,13 @@ CREATE INDEX IF NOT EXISTS asyncrawl_items_state ON asyncrawl_items (job, state)
 CREATE INDEX IF NOT EXISTS asyncrawl_items_doubt ON asyncrawl_items (job, doubt)
     WHERE doubt IS NOT NULL;
 CREATE TABLE IF NOT EXISTS asyncrawl_ledger (
-    job text NOT NULL, day text NOT NULL, endpoint text NOT NULL,
+    job text NOT NULL, day text NOT NULL, endpoint text NOT NULL, run bigint NOT NULL,
     sent bigint NOT NULL DEFAULT 0, billable bigint NOT NULL DEFAULT 0,
-    PRIMARY KEY (job, day, endpoint)
+    PRIMARY KEY (job, day, endpoint, run)
 );
 CREATE OR REPLACE VIEW asyncrawl_results AS
     SELECT job, id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status,
-           error, fetched_at, convert_from(data, 'UTF8')::jsonb AS data
+           error, fetched_at, convert_from(data, 'UTF8') AS data
     FROM asyncrawl_items WHERE state IS NOT NULL;
 """
 
@@ -132,8 +134,9 @@ SELECT %(job)s, v.id, %(run)s, 1 FROM unnest(%(id)s::text[]) AS v(id)
 ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1
 """
 ADD_LEDGER = """
-INSERT INTO asyncrawl_ledger (job, day, endpoint, sent, billable) VALUES (%s, %s, %s, %s, %s)
-ON CONFLICT (job, day, endpoint) DO UPDATE SET
+INSERT INTO asyncrawl_ledger (job, day, endpoint, run, sent, billable)
+VALUES (%s, %s, %s, %s, %s, %s)
+ON CONFLICT (job, day, endpoint, run) DO UPDATE SET
     sent = asyncrawl_ledger.sent + excluded.sent,
     billable = asyncrawl_ledger.billable + excluded.billable
 """
@@ -278,7 +281,7 @@ class PgStore:
             db.execute("UPDATE asyncrawl_jobs SET generation = generation + 1, pause_until = NULL "
                        "WHERE job = %s", (self.job_name,))
             # the intents of runs that died: in doubt (possibly billed)
-            db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND state IS NULL "
+            db.execute(f"UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND {OPEN} "
                        "AND sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,))
             db.execute("UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
                        "lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
@@ -378,9 +381,18 @@ class PgStore:
 
     def _heartbeat(self) -> JobSignal:
         with self._db("control", "send the heartbeat") as db:
-            db.execute(f"UPDATE asyncrawl_items SET lease_until = {NOW} + %s WHERE job = %s "
-                       "AND lease_owner = %s AND (state IS NULL OR state IN ('failed', 'perm'))",
-                       (self.lease, self.job_name, self._run))
+            # Only leases half run out (the rows this run holds are not rewritten at every
+            # beat), and only rows nobody has locked: a row the writer is settling at this
+            # moment loses its lease anyway, and the heartbeat never waits for (or deadlocks
+            # with) the writer's transaction.
+            db.execute(f"""
+                UPDATE asyncrawl_items AS i SET lease_until = {NOW} + %(lease)s
+                FROM (SELECT id FROM asyncrawl_items WHERE job = %(job)s
+                      AND lease_owner = %(run)s AND {OPEN} AND lease_until < {NOW} + %(half)s
+                      FOR UPDATE SKIP LOCKED) AS held
+                WHERE i.job = %(job)s AND i.id = held.id""",
+                {"lease": self.lease, "job": self.job_name, "run": self._run,
+                 "half": self.lease / 2})
             db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW} WHERE run = %s", (self._run,))
             halt_gen, halt, pause_until, now, live = db.execute(f"""
                 SELECT j.halt_gen, j.halt, j.pause_until, {NOW},
@@ -498,7 +510,7 @@ class PgStore:
                 ledger[(day, "billable")] += rec.paid
         self._flush(sent, outcomes)
         for (day, what), n in sorted(ledger.items()):
-            db.execute(ADD_LEDGER, (self.job_name, day, self._endpoint,
+            db.execute(ADD_LEDGER, (self.job_name, day, self._endpoint, self._run,
                                     n if what == "sent" else 0, n if what == "billable" else 0))
 
     def _flush(self, sent: list[str], outcomes: list[Record]) -> None:
@@ -539,8 +551,8 @@ class PgStore:
                                  (self.job_name,)).fetchall())
             ledger, sent = [], 0
             for day, endpoint, n_sent, n_billable in db.execute(
-                    "SELECT day, endpoint, sent, billable FROM asyncrawl_ledger WHERE job = %s "
-                    "ORDER BY day, endpoint", (self.job_name,)):
+                    "SELECT day, endpoint, sum(sent), sum(billable) FROM asyncrawl_ledger "
+                    "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)):
                 sent += n_sent
                 if n_billable:
                     ledger.append((day, endpoint, int(n_billable)))
@@ -550,7 +562,7 @@ class PgStore:
             live = db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
                               f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
             open_sent = db.execute(
-                "SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state IS NULL AND "
+                f"SELECT count(*) FROM asyncrawl_items WHERE job = %s AND {OPEN} AND "
                 "sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,)).fetchone()[0]
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
@@ -594,7 +606,7 @@ class PgStore:
                               f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
             query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IS NOT NULL"
             if not live:
-                query += " OR (state IS NULL AND sent_run IS NOT NULL)"
+                query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
             rows = db.execute(query + ") ORDER BY id", (self.job_name,)).fetchall()
         for item, doubt in rows:
             yield item, doubt == 1
@@ -615,7 +627,9 @@ def _storage_error(e: Exception, url: str, doing: str) -> StorageError:
     """A psycopg error in an operator's words."""
     psycopg = _psycopg()
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, psycopg.OperationalError):
+    state = getattr(e, "sqlstate", None)  # None: no answer; 08…: connection; 57P…: shutdown
+    if isinstance(e, psycopg.OperationalError) and (state is None or state[:2] == "08"
+                                                     or state[:3] == "57P"):
         return StorageError(f"cannot {doing}: the PostgreSQL server is unreachable or went away "
                             f"({text}); nothing committed is lost, rerun to resume",
                             path=safe_url(url))

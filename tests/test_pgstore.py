@@ -309,3 +309,33 @@ def test_the_readme_commands_for_several_machines_run(tmp_path: Path, job: str,
     again = {i for i, n in paid.items() if n > 1}  # a paid answer that did not parse: bought
     assert paid and all(demo_faults(i).kind == "invalid_json" for i in again)  # again, once
     assert not (tmp_path / "notes-state").exists()  # the state was the database's
+
+
+def test_the_job_signals_reach_every_run(job: str) -> None:
+    """Two runs of one job, through the store: a pause and a halt published by one are seen
+    by the other's heartbeat (not by its own), the first halt wins, and both count as live."""
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+    from asyncrawl.types import Halt
+
+    async def go() -> None:
+        a, b = await PgStore.open(PG, job), await PgStore.open(PG, job)
+        try:
+            for s in (a, b):
+                s.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            assert (await a.heartbeat()).live == 2
+            await a.publish_pause(5.0)
+            seen = await b.heartbeat()
+            assert 4.0 < seen.pause_for <= 5.0 and seen.halt is None
+            assert await a.publish_halt(Halt("fatal", 402, "HTTP 402"))
+            assert not await b.publish_halt(Halt("fatal", 401, "HTTP 401"))  # a's came first
+            got = await b.heartbeat()
+            assert got.halt is not None and got.halt.status == 402
+            assert (await a.heartbeat()).halt is None  # its own halt: it knows already
+            b.commit([Record("end", extra={})])
+            assert (await a.heartbeat()).live == 1
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
