@@ -41,8 +41,7 @@ async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> i
     chunks = source.chunks() if isinstance(source, IdsFile) else source
     added = 0
     block: list[str] = []
-    await store.set_merging(True)
-    try:
+    try:  # (the run is registered as merging)
         async for chunk in chunks:  # the first chunk at once (fetching starts), then blocks
             block += chunk
             if len(block) >= (MERGE if added else 1):

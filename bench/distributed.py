@@ -14,6 +14,10 @@ scenario a new job in the PostgreSQL database ``--pg``:
   64 each so that the rate binds: judged from the mock's log, the most requests started in
   any 1-s window (bound: rate x 1.05 + burst) and the mean rate while all work (target: at
   least 95 % of the rate).
+* **quota**: the server allows ``--quota`` requests per second (429 + Retry-After beyond), the
+  job is configured for 3 x that: 1 and 4 processes, the accepted rate and the share of 429s
+  (each process adapts its share of the rate to what the server accepts, and a pause the
+  server asks for holds every process).
 * **merge**: ``PgStore.merge`` of ``--merge-ids`` IDs into a new job, IDs per second.
 
 Usage::
@@ -105,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--rate", type=float, default=400.0)
     p.add_argument("--merge-ids", type=int, default=1_000_000)
+    p.add_argument("--quota", type=float, default=200.0)
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="asyncrawl-distributed-"))
     ids = work / "ids.txt"
@@ -141,6 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  most starts in any 1-s window: {worst} (bound {args.rate * 1.05 + burst:.0f})")
     print(f"  mean rate after the first and before the last second: {mean:,.1f}/s "
           f"({mean / args.rate:.1%} of the rate; target >= 95 %)")
+
+    print(f"\nquota: the server accepts {args.quota:g}/s, the job is set to {3 * args.quota:g}/s, "
+          "concurrency 32 each")
+    for n in (1, 4):
+        with MockProcess(work / f"quota-{n}.log", "--no-auth", "--faults", "none", "--quota",
+                         str(args.quota), "--latency", "0.02") as mock:
+            wall, codes = crawl(work, mock.item_url, args.pg, ids, n, 32, 3 * args.quota, 20)
+            ends = [e for e in mock.settled_log() if e.event == "end"]
+        ok = sorted(e.t for e in ends if e.status == 200)
+        limited = sum(e.status == 429 for e in ends)
+        print(f"  {n} process{'es' if n > 1 else '  '}: accepted {len(ok) / (ok[-1] - ok[0]):5.0f}/s "
+              f"({len(ok) / (ok[-1] - ok[0]) / args.quota:.0%} of the quota), 429s "
+              f"{limited / len(ends):.1%} of the answers (exit {codes})")
     return 0
 
 

@@ -146,6 +146,8 @@ def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
     ids = write_ids(tmp_path / "ids.txt", [f"k{i}" for i in range(2000)])
     cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 16, "rate": 400})
     victim = _run(cfg)
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s", job)[0][0],
+              30, "the first IDs merged")  # (a process given no IDs ends if the job has none)
     other = _run(_config(tmp_path, mock.item_url, job, None, limits={"concurrency": 16,
                                                                      "rate": 400}))
     _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
@@ -159,7 +161,9 @@ def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
     assert other.returncode == 0, err
     log = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
     paid = collections.Counter(e.id for e in log)
-    assert set(paid) == {f"k{i}" for i in range(2000)}  # nothing lost
+    by = pg_rows("SELECT coalesce(state, 'none'), count(*) FROM asyncrawl_items WHERE job = %s "
+                 "GROUP BY 1", job)
+    assert set(paid) == {f"k{i}" for i in range(2000)}, (by, err[-3000:])  # nothing lost
     twice = [i for i, n in paid.items() if n > 1]
     assert len(twice) <= max(held, 16 + 256), (len(twice), held)  # at most what it held
     snap = read_store(PG, job=job).snapshot()
@@ -179,8 +183,11 @@ def test_a_402_seen_by_one_process_halts_all_within_a_second(
     # the second process does not take a 402 for fatal itself: it halts because the first did
     blind = {"retry": {"max_tries": 3, "backoff_base": 0.01, "backoff_max": 0.05,
                        "retry_after_max": 2, "fatal": [401]}}
-    procs = [_run(_config(tmp_path, mock.item_url, job, ids, **limits, **on_halt)),
-             _run(_config(tmp_path, mock.item_url, job, None, **limits, **on_halt, **blind))]
+    first = _run(_config(tmp_path, mock.item_url, job, ids, **limits, **on_halt))
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s", job)[0][0],
+              30, "the first IDs merged")
+    procs = [first, _run(_config(tmp_path, mock.item_url, job, None, **limits, **on_halt,
+                                 **blind))]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [3, 3], outs[1][1]
     assert "halted by another process of the job" in outs[1][1]
