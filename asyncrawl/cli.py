@@ -78,6 +78,17 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
                      help="seconds per attempt ([request] timeout)")
     run.add_argument("-H", "--header", action="append", default=[], metavar="'Name: value'",
                      help="a request header (repeatable); the value may use ${ENV_VAR}")
+    run.add_argument("-X", "--method", metavar="METHOD",
+                     help="GET, POST, PUT, PATCH or HEAD ([request] method)")
+    run.add_argument("--json", metavar="JSON", dest="json_body",
+                     help="a JSON body, {id} filled into its string values ([request] json); "
+                          "needs -X POST, PUT or PATCH")
+    run.add_argument("--data", metavar="TEXT",
+                     help="a text body with {id} ([request] body; its type: [request] "
+                          "content_type, default text/plain)")
+    run.add_argument("--proxy", metavar="URL",
+                     help="an HTTP(S) proxy for every request ([request] proxy); without it "
+                          "HTTP_PROXY / HTTPS_PROXY / NO_PROXY apply")
     run.add_argument("--insecure", action="store_true",
                      help="do not verify TLS certificates (a warning is printed on every run)")
     run.add_argument("--no-second-pass", action="store_true",
@@ -174,8 +185,19 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
         "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
         "reuse_state": True if args.reuse_state else None,
+        "method": args.method, "json": _json_flag(args.json_body), "body": args.data,
+        "proxy": args.proxy,
         "_headers": headers, "_secrets": secrets,
     }
+
+
+def _json_flag(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"is not JSON: {e}", key="--json") from None
 
 
 def _config_for_run(args: argparse.Namespace) -> Config:

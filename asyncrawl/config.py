@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import logging
 import math
 import os
@@ -66,6 +67,10 @@ class Config:
     read_timeout: float | None = None
     verify_tls: bool = True
     ca_bundle: str | None = None
+    proxy: str | None = None  # an HTTP(S) forward proxy; else HTTP(S)_PROXY / NO_PROXY apply
+    json: Any = None  # a JSON body (TOML table or array), "{id}" filled in string values
+    body: str | None = None  # a text body ("{id}" filled in), sent as ``content_type``
+    content_type: str | None = None
     secret_names: tuple[str, ...] = ()
     error_field: str | None = None
     success_values: tuple[Any, ...] = ()
@@ -134,6 +139,9 @@ class Config:
             secrets.update(_userinfo(self.url))
         if isinstance(self.state_url, str):  # postgresql://user:password@host/db
             secrets.update(_userinfo(self.state_url))
+        for proxy in (self.proxy, *_env_proxies()):  # http://user:password@proxy:3128
+            if isinstance(proxy, str):
+                secrets.update(_userinfo(proxy))
         if isinstance(self.webhook, str):  # e.g. a Slack webhook URL is itself a credential
             secrets.add(self.webhook)
             secrets.update(_userinfo(self.webhook))
@@ -260,9 +268,15 @@ class Config:
     def job_identity(self) -> dict[str, Any]:
         """What the state directory remembers of the job it belongs to: the URL template,
         method and query parameters, secrets redacted (never the headers: keys rotate)."""
-        return {"url": self.redact(self.url), "method": self.method,
-                "params": {k: "***" if self.is_secret_param(k) else self.redact(str(v))
-                           for k, v in sorted(self.params.items())}}
+        ident: dict[str, Any] = {
+            "url": self.redact(self.url), "method": self.method,
+            "params": {k: "***" if self.is_secret_param(k) else self.redact(str(v))
+                       for k, v in sorted(self.params.items())}}
+        if self.json is not None:  # (only when set: a GET job's identity stays as it was)
+            ident["json"] = self.redact(json.dumps(self.json, sort_keys=True))
+        if self.body is not None:
+            ident["body"] = self.redact(self.body)
+        return ident
 
     def is_secret_param(self, name: str) -> bool:
         """Whether a query parameter of this name carries a credential."""
@@ -294,6 +308,10 @@ TOML_KEYS: dict[str, str] = {
     "request.read_timeout": "read_timeout",
     "request.verify_tls": "verify_tls",
     "request.ca_bundle": "ca_bundle",
+    "request.proxy": "proxy",
+    "request.json": "json",
+    "request.body": "body",
+    "request.content_type": "content_type",
     "request.secret_names": "secret_names",
     "response.error_field": "error_field",
     "response.success_values": "success_values",
@@ -341,7 +359,7 @@ FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
 
 
 _FLAGS = {"state_dir": "--state", "state_url": "--state", "verify_tls": "--insecure",
-          "second_pass": "--no-second-pass", "headers": "-H"}
+          "second_pass": "--no-second-pass", "headers": "-H", "body": "--data"}
 
 
 def flag_for(name: str) -> str:
@@ -376,6 +394,12 @@ def _credential_parts(value: str, *, cookie: bool = False) -> set[str]:
             if len(v) >= 8:
                 parts.add(v)
     return parts
+
+
+def _env_proxies() -> list[str]:
+    """The proxies the environment names (aiohttp's ``trust_env`` uses them)."""
+    names = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
+    return [v for n in names if (v := os.environ.get(n))]
 
 
 def _userinfo(url: str) -> set[str]:
@@ -492,7 +516,8 @@ def _check_types(c: Config) -> None:
                       "response_format", "job"):
             if not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
-        elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field", "state_url"):
+        elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field", "state_url",
+                      "proxy", "body", "content_type"):
             if v is not None and not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
         elif name in ("headers", "params"):
@@ -542,15 +567,38 @@ def _check_values(c: Config) -> None:
         raise bad("jitter", f"must be one of full, equal, none; got {c.jitter!r}")
     if c.follow_redirects not in ("none", "same-origin", "any"):
         raise bad("follow_redirects", "must be one of none, same-origin, any")
-    if c.method not in ("GET", "POST", "HEAD", "PUT"):
-        raise bad("method", f"must be GET, POST, HEAD or PUT; got {c.method!r}")
+    if c.method not in ("GET", "POST", "HEAD", "PUT", "PATCH"):
+        raise bad("method", f"must be GET, POST, HEAD, PUT or PATCH; got {c.method!r}")
+    if c.proxy is not None and not c.proxy.startswith(("http://", "https://")):
+        raise bad("proxy", f"must be an http:// or https:// URL, got {c.redact(c.proxy)!r}")
+    if c.json is not None and c.body is not None:
+        raise bad("body", "give [request] json or [request] body, not both")
+    if c.json is not None and not isinstance(c.json, Mapping | list | tuple):
+        raise bad("json", f"must be a table or an array, got {type(c.json).__name__}")
+    if (c.json is not None or c.body is not None) and c.method in ("GET", "HEAD"):
+        raise bad("method", f"a request body needs POST, PUT or PATCH, not {c.method} "
+                            "(set [request] method, or -X)")
+    if c.content_type is not None and c.body is None:
+        raise bad("content_type", "is the type of [request] body, which is not set")
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:
         raise bad("retryable", f"status {sorted(overlap)[0]} is in more than one of retryable, skip, fatal")
-    validate_url_template(c.url, c.params)
+    in_body = (c.body is not None and "{id}" in c.body) or _has_id(c.json)
+    validate_url_template(c.url, c.params, in_body=in_body)
 
 
-def validate_url_template(url: str, params: Mapping[str, str]) -> None:
+def _has_id(value: Any) -> bool:
+    """Whether a JSON body template has ``{id}`` in a string value."""
+    if isinstance(value, str):
+        return "{id}" in value
+    if isinstance(value, Mapping):
+        return any(_has_id(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_id(v) for v in value)
+    return False
+
+
+def validate_url_template(url: str, params: Mapping[str, str], *, in_body: bool = False) -> None:
     """The template must be http(s), name a host (and a valid port), use ``{id}`` in the path,
     the query or a parameter (never the host, userinfo or a fragment), and hold no whitespace,
     control character or broken ``%`` escape (each would make an invalid request line)."""
@@ -580,10 +628,10 @@ def validate_url_template(url: str, params: Mapping[str, str]) -> None:
     if _BAD_ESCAPE.search(url):
         raise ConfigError("has a % that is not followed by two hex digits; write a literal % "
                           "as %25", key=key)
-    if "{id}" not in url and not any("{id}" in str(v) for v in params.values()):
+    if "{id}" not in url and not any("{id}" in str(v) for v in params.values()) and not in_body:
         raise ConfigError(
             "must contain {id} (e.g. https://api.example.com/items/{id}), "
-            "or a [request.params] value must", key=key)
+            "or a [request.params] value, or the body ([request] json or body) must", key=key)
 
 
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")

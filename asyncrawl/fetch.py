@@ -30,10 +30,11 @@ import os
 import re
 import socket
 import ssl
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus, urlsplit
 
 import aiohttp
 import orjson
@@ -131,13 +132,17 @@ _TEMPLATE_SAFE = "%:/?#[]@!$&'()*+,;=~-._"
 
 
 class RequestBuilder:
-    """Turns an ID into a ``Request`` from the config's URL template, params and headers."""
+    """Turns an ID into a ``Request`` from the config's URL template, params, headers and
+    body (``[request] json`` or ``body``)."""
 
-    __slots__ = ("_fast", "_parts", "_query_parts", "headers", "method")
+    __slots__ = ("_fast", "_parts", "_query_parts", "body", "headers", "method")
 
     def __init__(self, config: Config) -> None:
         self.method = config.method
         self.headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
+        self.body, content_type = body_maker(config)
+        if content_type and not any(k.lower() == "content-type" for k in self.headers):
+            self.headers["Content-Type"] = content_type
         # The template is sent as written (encoded=True), so non-ASCII is percent-encoded here
         # (UTF-8); reserved characters and existing %XX escapes are kept as they are.
         self._parts = [quote(p, safe=_TEMPLATE_SAFE) for p in config.url.split("{id}")]
@@ -189,6 +194,38 @@ class RequestBuilder:
         return URL(url, encoded=True)
 
 
+def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | None]:
+    """The request body for an ID (``None``: no body) and its content type.
+
+    ``[request] json``: the table or array with ``{id}`` filled into its string values (never
+    into keys), serialised afterwards, so that an ID with quotes or backslashes cannot change
+    the document. ``[request] body``: the text with ``{id}`` filled in, form-encoded when the
+    content type is ``application/x-www-form-urlencoded``."""
+    if config.json is not None:
+        template = config.json
+
+        def fill(value: Any, item: str) -> Any:
+            if isinstance(value, str):
+                return value.replace("{id}", item) if "{id}" in value else value
+            if isinstance(value, Mapping):
+                return {k: fill(v, item) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [fill(v, item) for v in value]
+            return value
+
+        return (lambda item: orjson.dumps(fill(template, item))), "application/json"
+    if config.body is not None:
+        ctype = config.content_type or "text/plain; charset=utf-8"
+        form = ctype.split(";")[0].strip().lower() == "application/x-www-form-urlencoded"
+        pieces = config.body.split("{id}")
+
+        def text(item: str) -> bytes:
+            return (quote_plus(item) if form else item).join(pieces).encode("utf-8")
+
+        return text, ctype
+    return None, None
+
+
 def status_class(status: int, config: Config) -> Outcome:
     """The class of an HTTP status per the config's sets (SPEC §2)."""
     if status in config.fatal:
@@ -236,6 +273,7 @@ class Fetcher:
                            and config.response_format == "json"
                            and status_class(200, config) is Outcome.OK)
         self._ssl = tls_context(config)
+        self._proxy = config.proxy or env_proxy(config.url)
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
@@ -250,16 +288,19 @@ class Fetcher:
     async def _attempt(self, item_id: str) -> Attempt:
         cfg = self.config
         try:
+            data: bytes | None = None
             if self.request_for is None:
                 b = self._build
                 method, url, headers, body = b.method, b.url(item_id), b.headers, None
+                if b.body is not None:
+                    data = b.body(item_id)
             else:
                 req = self.request_for(item_id)
                 method, url, headers, body = req.method, req.url, req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
-                    method, url, headers=headers, json=body, allow_redirects=False,
-                    timeout=self.timeout, ssl=self._ssl,
+                    method, url, headers=headers, json=body, data=data, allow_redirects=False,
+                    timeout=self.timeout, ssl=self._ssl, proxy=self._proxy,
                 ) as resp:
                     status = resp.status
                     if status in REDIRECTS and "Location" in resp.headers:
@@ -283,7 +324,7 @@ class Fetcher:
                                        and cfg.redact(v) == v}
                             target = _without_credentials(target, cfg)
                         if status == 303:  # "see other": fetch it, do not resend the body
-                            method, body = "GET", None
+                            method, body, data = "GET", None, None
                         url = target
                         continue
                     data = await self._read(resp)
@@ -443,6 +484,18 @@ def resends_silently(session: aiohttp.ClientSession) -> bool:
     return bool(getattr(session, "_retry_connection", False))
 
 
+def env_proxy(url_template: str) -> str | None:
+    """The proxy that ``HTTP_PROXY`` / ``HTTPS_PROXY`` / ``ALL_PROXY`` name for the template's
+    scheme, unless ``NO_PROXY`` exempts its host (as curl and pip read them). Read once per
+    run, not per request: aiohttp's ``trust_env`` would scan the environment and read
+    ``~/.netrc`` for every request."""
+    parts = urlsplit(url_template.replace("{id}", "x"))
+    proxies = urllib.request.getproxies_environment()
+    if not parts.hostname or urllib.request.proxy_bypass_environment(parts.hostname, proxies):
+        return None
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
 def client_timeout(config: Config) -> aiohttp.ClientTimeout:
     """``timeout`` bounds the whole attempt (connect, headers, body); ``connect_timeout``
     (default: 10 s, at most ``timeout``) the TCP/TLS connect; ``read_timeout`` how long the server
@@ -481,6 +534,8 @@ INCURABLE = {
     ErrorKind.REFUSED: "nothing listens at that address: check the host and port of "
                        "[request] url (or --url), and that the server is up",
     ErrorKind.DNS: "check the host name of [request] url (or --url), and the machine's DNS",
+    ErrorKind.PROXY: "check [request] proxy (or --proxy), or the HTTP_PROXY / HTTPS_PROXY / "
+                     "NO_PROXY environment variables, which asyncrawl follows like curl",
     ErrorKind.TLS: "if the server uses a private CA, add it with [request] ca_bundle; check the "
                    "host name of [request] url",
 }
@@ -490,6 +545,8 @@ def _connect_error(e: aiohttp.ClientConnectorError) -> tuple[ErrorKind, str]:
     """A connect failure's kind, in words an operator acts on: ``connection refused to
     host:port``, ``name host does not resolve``; else the exception as usual."""
     err = e.os_error
+    if isinstance(e, aiohttp.ClientProxyConnectionError):
+        return ErrorKind.PROXY, f"cannot connect to the proxy {e.host}:{e.port} ({_describe(err)})"
     if isinstance(err, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
         return ErrorKind.DNS, f"name {e.host} does not resolve"
     if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:

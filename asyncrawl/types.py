@@ -20,6 +20,7 @@ class ErrorKind(enum.Enum):
 
     TIMEOUT = "timeout"  # connect, read or total timeout
     REFUSED = "refused"  # nothing listens at the address
+    PROXY = "proxy"  # the proxy refused the connection or could not be reached
     DNS = "dns"  # the host name does not resolve
     TLS = "tls"  # the certificate does not verify
     NETWORK = "network"  # any other connection error: reset, dropped, disconnected

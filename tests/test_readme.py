@@ -355,8 +355,8 @@ def test_command_line_synopsis_matches_the_parser() -> None:
         per_command[command] |= set(re.findall(r"\[(-{1,2}[\w-]+)", line))
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, parser in sub.choices.items():  # type: ignore[union-attr]
-        # the README shows -c, -H and -o by their short names, every other flag by its long one
-        flags = {a.option_strings[0] if a.option_strings[0] in ("-c", "-H", "-o")
+        # the README shows -c, -H, -o and -X by their short names, every other by its long one
+        flags = {a.option_strings[0] if a.option_strings[0] in ("-c", "-H", "-o", "-X")
                  else a.option_strings[-1]
                  for a in parser._actions if a.option_strings and a.dest != "help"}
         assert per_command[name] == flags, f"asyncrawl {name}: README {per_command[name]} vs {flags}"

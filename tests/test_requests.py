@@ -1,0 +1,210 @@
+"""The requests real APIs need: a JSON or form body with the ID (POST/PUT/PATCH), and proxies
+(``[request] proxy``, and HTTP_PROXY / NO_PROXY from the environment), against real servers
+on loopback: an aiohttp app that records what it got, and a forward proxy of our own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from asyncrawl import Config, ConfigError, Crawler
+
+from .conftest import KEY, cli, write_config, write_ids
+
+ODD = ['a"b\\c', "x/y", "p&q=r", "ünï", "plain"]  # IDs that break naive string building
+
+
+class Recorder:
+    """An API that takes the ID in the body: records method, content type and body."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, bytes]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.seen.append((request.method, request.headers.get("Content-Type", ""), body))
+        ctype = request.headers.get("Content-Type", "").split(";")[0]
+        if ctype == "application/json":
+            item = json.loads(body)["note_id"]
+        elif ctype == "application/x-www-form-urlencoded":
+            item = (await request.post())["note_id"]
+        else:
+            item = body.decode()
+        return web.json_response({"id": item, "title": f"note {item}"})
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
+    rec = Recorder()
+    app = web.Application()
+    app.router.add_route("*", "/v1/notes/query", rec.handle)
+    runner, base = await serve(app)
+    yield rec, base
+    await runner.cleanup()
+
+
+def config(base: str, tmp_path: Path, **kw: Any) -> Config:
+    return Config(url=base + "/v1/notes/query", state_dir=str(tmp_path / "state"),
+                  rate=1000.0, concurrency=4, cooldown=0.0, max_tries=2, backoff_base=0.01,
+                  **kw)
+
+
+async def test_json_body_carries_each_id_as_a_string_value(recorder: Any, tmp_path: Path) -> None:
+    rec, base = recorder
+    cfg = config(base, tmp_path, method="POST",
+                 json={"note_id": "{id}", "fields": ["title"], "n": 1, "label": "id {id}!"})
+    got: dict[str, Any] = {}
+    async with Crawler(cfg, on_result=lambda r: got.__setitem__(r.id, r.data)) as c:
+        s = await c.run(ODD)
+    assert s.ok == len(ODD) and s.halt is None
+    bodies = [json.loads(b) for m, ct, b in rec.seen]
+    assert {m for m, _, _ in rec.seen} == {"POST"}
+    assert {ct for _, ct, _ in rec.seen} == {"application/json"}
+    assert sorted(b["note_id"] for b in bodies) == sorted(ODD)  # quotes, backslashes intact
+    assert all(b["fields"] == ["title"] and b["n"] == 1 and b["label"] == f"id {b['note_id']}!"
+               for b in bodies)
+    assert got['a"b\\c'] == {"id": 'a"b\\c', "title": 'note a"b\\c'}
+
+
+async def test_form_body_encodes_the_id(recorder: Any, tmp_path: Path) -> None:
+    rec, base = recorder
+    cfg = config(base, tmp_path, method="PUT", body="note_id={id}&v=1",
+                 content_type="application/x-www-form-urlencoded")
+    async with Crawler(cfg) as c:
+        s = await c.run(ODD)
+    assert s.ok == len(ODD)
+    assert {m for m, _, _ in rec.seen} == {"PUT"}
+    # the server decoded note_id back to each ID: "&" and "=" in an ID did not split the form
+    assert all(b"v=1" in b for _, _, b in rec.seen)
+
+
+async def test_cli_posts_a_json_body_from_the_command_line(recorder: Any, tmp_path: Path) -> None:
+    rec, base = recorder
+    ids = write_ids(tmp_path / "ids.txt", ODD)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncrawl", "run", "--url", base + "/v1/notes/query",
+        "--ids", str(ids), "--state", str(tmp_path / "state"), "-X", "POST",
+        "--json", '{"note_id": "{id}"}', "--no-progress", cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert sorted(json.loads(b)["note_id"] for _, _, b in rec.seen) == sorted(ODD)
+
+
+def test_a_body_needs_a_method_that_takes_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs POST, PUT or PATCH"):
+        Config(url="http://127.0.0.1:1/q", json={"id": "{id}"})
+    with pytest.raises(ConfigError, match="not both"):
+        Config(url="http://127.0.0.1:1/q", method="POST", json={"id": "{id}"}, body="{id}")
+    with pytest.raises(ConfigError, match=r"must contain \{id\}"):
+        Config(url="http://127.0.0.1:1/q", method="POST", json={"id": "fixed"})
+    r = cli("run", "--url", "http://127.0.0.1:1/q", "--ids", str(write_ids(tmp_path / "i", ["a"])),
+            "--state", str(tmp_path / "s"), "-X", "POST", "--json", "{not json", cwd=tmp_path)
+    assert r.returncode == 2 and "--json" in r.stderr
+
+
+# -- proxies ------------------------------------------------------------------------------------
+
+
+class ForwardProxy:
+    """A plain HTTP forward proxy: takes absolute-form requests, fetches them, records them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None]] = []  # (absolute URL, Proxy-Authorization)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = request.raw_path  # the request line's target: absolute-form through a proxy
+        target = raw if raw.startswith("http://") else f"http://{request.host}{raw}"
+        self.seen.append((target, request.headers.get("Proxy-Authorization")))
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "proxy-authorization", "proxy-connection")}
+        async with self.session.request(request.method, target, headers=headers,
+                                        data=await request.read()) as resp:
+            return web.Response(body=await resp.read(), status=resp.status,
+                                content_type=resp.content_type)
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[tuple[ForwardProxy, str]]:
+    p = ForwardProxy()
+    p.session = aiohttp.ClientSession()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", p.handle)
+    runner, base = await serve(app)
+    yield p, base
+    await runner.cleanup()
+    await p.session.close()
+
+
+async def test_request_proxy_key_sends_every_request_through_it(
+        recorder: Any, proxy: Any, tmp_path: Path) -> None:
+    rec, base = recorder
+    p, proxy_base = proxy
+    secret = "pr0xy-s3cret-pw"
+    url = proxy_base.replace("http://", f"http://crawler:{secret}@")
+    cfg = config(base, tmp_path, method="POST", json={"note_id": "{id}"}, proxy=url)
+    assert secret in cfg.secrets and secret not in repr(cfg) and secret not in cfg.redact(url)
+    async with Crawler(cfg) as c:
+        s = await c.run(ODD)
+    assert s.ok == len(ODD)
+    assert len(p.seen) == len(ODD) == len(rec.seen)
+    assert all(u == base + "/v1/notes/query" for u, _ in p.seen)
+    assert all(auth and auth.startswith("Basic ") for _, auth in p.seen)  # its credentials
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+    return {**env, "ASYNCRAWL_TEST_KEY": KEY, **extra}
+
+
+async def _cli(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncrawl", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode()
+
+
+async def test_http_proxy_from_the_environment_is_used_and_no_proxy_bypasses_it(
+        mock_process: Any, proxy: Any, tmp_path: Path) -> None:
+    p, proxy_base = proxy
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"e{i}" for i in range(20)])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "s1", ids)
+    code, err = await _cli("run", "-c", str(cfg), "--no-progress",
+                           env=_cli_env(HTTP_PROXY=proxy_base))
+    assert code == 0, err
+    assert len(p.seen) == 20  # through the proxy the environment names
+
+    # a dead proxy in the environment: the run says so at once (exit 2), sends nothing ...
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+    cfg2 = write_config(tmp_path / "c2.toml", mock.item_url, tmp_path / "s2", ids)
+    code, err = await _cli("run", "-c", str(cfg2), "--no-progress", env=_cli_env(HTTP_PROXY=dead))
+    assert code == 2, err
+    assert "cannot connect to the proxy 127.0.0.1:9" in err and "HTTP_PROXY" in err
+    # ... unless NO_PROXY exempts the API's host
+    code, err = await _cli("run", "-c", str(cfg2), "--no-progress",
+                           env=_cli_env(HTTP_PROXY=dead, NO_PROXY="127.0.0.1"))
+    assert code == 0, err
