@@ -33,7 +33,7 @@ from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
 from .source import CHUNK_IDS, IdsFile, file_identity, file_ids, prescan_file
 from .sqlstore import DB
 from .store import read_store
-from .types import Progress, Summary
+from .types import Progress, Result, Summary
 
 log = logging.getLogger("asyncrawl")
 GC_YOUNG_THRESHOLD = 10_000  # CPython's default is 700
@@ -108,6 +108,9 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
                      help="text (default) or one JSON object per line")
     run.add_argument("--log-file", metavar="FILE",
                      help="log here instead of stderr (reopened when logrotate moves it)")
+    run.add_argument("--metrics", metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics during the run "
+                          "(the 'metrics' extra)")
 
 
 
@@ -272,8 +275,8 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
 # -- commands ----------------------------------------------------------------------------------
 
 
-async def _run(config: Config, *, ids_path: str | None, progress: bool,
-               total: int | None) -> tuple[Summary, list[tuple[str, int]]]:
+async def _run(config: Config, *, ids_path: str | None, progress: bool, total: int | None,
+               metrics_at: str | None = None) -> tuple[Summary, list[tuple[str, int]]]:
     """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
     line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
     errors = ErrorTally(attempts=True)
@@ -305,14 +308,35 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool,
 
     from .crawler import Crawler  # the HTTP stack: loaded only by the commands that send
 
+    on_result, on_attempt = errors.result, errors.attempt
+    metrics = None
+    if metrics_at is not None:
+        from .metrics import Metrics
+
+        metrics = Metrics(config, lambda: crawler.progress())
+
+        def on_result(r: Result) -> None:
+            errors.result(r)
+            metrics.result(r)
+
+        def on_attempt(item: str, status: int | None, error: str | None) -> None:
+            errors.attempt(item, status, error)
+            metrics.attempt(item, status, error)
+
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
-                      on_result=errors.result, on_attempt=errors.attempt)
+                      on_result=on_result, on_attempt=on_attempt)
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
     try:
-        async with crawler:
-            summary = await crawler.run(IdsFile(ids_path, total) if ids_path else [])
+        async with contextlib.AsyncExitStack() as stack:
+            if metrics is not None and metrics_at is not None:
+                from .metrics import serving
+
+                url = await stack.enter_async_context(serving(metrics, metrics_at))
+                log.info("metrics at %s", url)
+            async with crawler:
+                summary = await crawler.run(IdsFile(ids_path, total) if ids_path else [])
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
@@ -382,7 +406,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                     raise ConfigError("--dry-run needs the IDs to price: pass --ids PATH")
                 return _dry_run(config, ids_path)
             tune_gc()
+            if args.metrics is not None:
+                from .metrics import Metrics, parse_address
+
+                parse_address(args.metrics)
+                Metrics.check()
             summary, errors = asyncio.run(_run(config, ids_path=ids_path, total=total,
+                                               metrics_at=args.metrics,
                                                progress=not args.no_progress))
         finally:
             if spooled:
