@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--outcome", choices=EXPORT_OUTCOMES, default="ok",
                     help="which IDs (default: ok)")
     ex.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl",
-                    help="jsonl (default), csv, or ids (one bare ID a line)")
+                    help="jsonl (default), csv, ids (one bare ID a line), or parquet (-o FILE; "
+                         "the 'parquet' extra)")
     ex.add_argument("--fields", metavar="a,b,...",
                     help="CSV columns: top-level fields or dotted paths into the payload "
                          "(author.name); an unknown one is an error")

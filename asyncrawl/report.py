@@ -28,7 +28,7 @@ from .types import Halt
 __all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
 
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
-EXPORT_FORMATS = ("jsonl", "csv", "ids")
+EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 
 
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
@@ -150,6 +150,19 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         raise ConfigError(f"--outcome must be one of {', '.join(EXPORT_OUTCOMES)}")
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+    if fmt == "parquet":
+        if path is None:
+            raise ConfigError("--format parquet writes a file: give -o FILE (e.g. -o notes.parquet)")
+        from .parquet import check, write_parquet
+
+        check()
+
+        def rows() -> Iterator[dict[str, Any]]:
+            return (_row(rec, outcome) for rec in _records(config, outcome))
+
+        if fields:  # a misspelt field is an error, not an empty column
+            _check_fields(rows(), fields, lambda row: row)
+        return write_parquet(rows, Path(path), fields, _get, _MISSING)
     if fmt == "ids" and outcome != "in-doubt":
         blocks = read_store(config.state, job=config.job).ids(outcome)
         if path is None:

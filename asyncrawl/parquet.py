@@ -1,0 +1,132 @@
+"""``export --format parquet``: the results as one Parquet file (pyarrow, the ``parquet``
+extra), for pandas, Polars and DuckDB.
+
+Columns: ``id``, then each top-level field of the payloads (or the ``--fields``, dotted paths
+allowed: a column named ``author.name``). A column whose values are all of one JSON scalar type
+gets that type (booleans; integers as int64; numbers as float64 when any is fractional;
+strings); an object, an array, or values of mixed types are written as JSON text. Missing
+values are nulls. For ``failed`` / ``unavailable``: ``id``, ``status``, ``error``.
+
+The records are read twice from the store: once to find the columns and their types, once to
+write them, a row group at a time (memory stays flat). The file appears atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .errors import ConfigError, StorageError
+
+ROW_GROUP = 65_536
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise ConfigError("--format parquet needs the 'parquet' extra: "
+                          "pip install 'asyncrawl[parquet]'") from None
+    return pyarrow, pyarrow.parquet
+
+
+def check() -> None:
+    """``ConfigError`` without pyarrow (before the state is read)."""
+    _pyarrow()
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int" if _INT64[0] <= v <= _INT64[1] else "json"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    return "json"
+
+
+def _column_type(kinds: set[str]) -> str:
+    if kinds in ({"int", "float"}, {"float"}):
+        return "float"
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    return "json" if kinds else "str"
+
+
+def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
+                  columns: list[str] | None, get: Callable[[dict[str, Any], str], Any],
+                  missing: object) -> int:
+    """Write the rows of ``rows()`` (called twice) to ``path``; return how many."""
+    pa, pq = _pyarrow()
+    kinds: dict[str, set[str]] = {}
+    if columns is not None:
+        kinds = {c: set() for c in columns}
+    for row in rows():
+        if columns is None:
+            for k, v in row.items():
+                if v is not None:
+                    kinds.setdefault(k, set()).add(_kind(v))
+                else:
+                    kinds.setdefault(k, set())
+        else:
+            for c in columns:
+                v = get(row, c)
+                if v is not missing and v is not None:
+                    kinds[c].add(_kind(v))
+    types = {c: _column_type(k) for c, k in kinds.items()}
+    arrow = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string(),
+             "json": pa.string()}
+    schema = pa.schema([(c, arrow[t]) for c, t in types.items()])
+
+    def cell(v: Any, t: str) -> Any:
+        if v is missing or v is None:
+            return None
+        if t == "json":
+            return orjson.dumps(v).decode()
+        if t == "float":
+            return float(v)
+        return v
+
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise StorageError(f"cannot write the export: {e.strerror}", path=path) from None
+    n = 0
+    try:
+        with pq.ParquetWriter(tmp, schema) as writer:
+            batch: list[dict[str, Any]] = []
+
+            def flush() -> None:
+                data = {c: [cell(row.get(c, missing) if columns is None else get(row, c), t)
+                            for row in batch] for c, t in types.items()}
+                writer.write_table(pa.table(data, schema=schema))
+                batch.clear()
+
+            for row in rows():
+                batch.append(row)
+                n += 1
+                if len(batch) >= ROW_GROUP:
+                    flush()
+            if batch or n == 0:
+                flush()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise StorageError(f"cannot write the export: {e.strerror}", path=path) from None
+        raise
+    return n
