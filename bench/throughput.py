@@ -154,12 +154,19 @@ async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
     from asyncrawl import Config, Crawler
 
     if not intent:
-        def no_intent(self: Crawler, item: str) -> asyncio.Future[bool]:
+        from asyncrawl.records import Record
+        from asyncrawl.writer import Writer
+
+        commit = Writer.commit
+
+        def no_intent(self: Writer, record: Record) -> asyncio.Future[bool]:
+            if record.kind != "sent":
+                return commit(self, record)
             fut = asyncio.get_running_loop().create_future()
-            fut.set_result(True)
+            fut.set_result(True)  # as if durable at once: nothing is written
             return fut
 
-        Crawler._intent = no_intent  # type: ignore[method-assign]  # this worker process only
+        Writer.commit = no_intent  # type: ignore[method-assign]  # this worker process only
 
     ids = [str(i) for i in range(n)]
     cfg = Config(**bench_config(base, concurrency, state_dir))
