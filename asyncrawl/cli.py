@@ -30,7 +30,7 @@ from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import SETTLED
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
-from .source import CHUNK_IDS, IdsFile, file_identity, file_ids, prescan_file
+from .source import CHUNK_IDS, IdsFile, SeenIds, file_identity, file_ids, prescan_file
 from .sqlstore import DB
 from .store import read_store
 from .types import Progress, Result, Summary
@@ -439,26 +439,28 @@ def _dry_run(config: Config, ids_path: str) -> int:
     store = read_store(config.state, missing_ok=True, job=config.job)
 
     async def count() -> tuple[int, int, int]:
-        seen: set[str] = set()
-        left = done = 0
+        seen = SeenIds()  # on disk: flat memory for any length of list
+        unique = left = done = 0
         chunk: list[str] = []
 
         async def settle(chunk: list[str]) -> None:
-            nonlocal left, done
-            states = await store.lookup(chunk) if store is not None else {}
-            settled = sum(1 for item in chunk if states.get(item) in SETTLED)
-            done, left = done + settled, left + len(chunk) - settled
+            nonlocal unique, left, done
+            fresh = await asyncio.to_thread(seen.fresh, chunk)
+            unique += len(fresh)
+            states = await store.lookup(fresh) if store is not None and fresh else {}
+            settled = sum(1 for item in fresh if states.get(item) in SETTLED)
+            done, left = done + settled, left + len(fresh) - settled
 
-        async for item in file_ids(ids_path):
-            if item in seen:
-                continue
-            seen.add(item)
-            chunk.append(item)
-            if len(chunk) >= CHUNK_IDS:
-                await settle(chunk)
-                chunk = []
-        await settle(chunk)
-        return len(seen), done, left
+        try:
+            async for item in file_ids(ids_path):
+                chunk.append(item)
+                if len(chunk) >= CHUNK_IDS:
+                    await settle(chunk)
+                    chunk = []
+            await settle(chunk)
+        finally:
+            seen.close()
+        return unique, done, left
 
     unique, done, left = asyncio.run(count())
     print(f"IDs: {unique:,} unique; already done: {done:,}; calls left: {left:,} "

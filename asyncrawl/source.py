@@ -10,11 +10,14 @@ streams it, so memory does not grow with the file. The crawler takes IDs a chunk
 from __future__ import annotations
 
 import os
+import sqlite3
+import tempfile
 import unicodedata
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import aiofiles
+import orjson
 
 from .config import MAX_ID_LENGTH
 from .errors import InputError
@@ -223,3 +226,35 @@ def _check(item: object, n: int) -> str:
     if problem:
         raise InputError(problem, path="<ids>", line=n)
     return item
+
+
+class SeenIds:
+    """The IDs seen so far, on disk: a temporary SQLite file (deleted as soon as it is open),
+    so that dedup without a state (``run --dry-run``) keeps memory flat however long the
+    list. ``fresh(chunk)``: the IDs of the chunk not seen before, in order, each once."""
+
+    def __init__(self) -> None:
+        fd, path = tempfile.mkstemp(prefix="asyncrawl-seen-", suffix=".db")
+        os.close(fd)
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False)
+        finally:
+            os.unlink(path)  # the open connection keeps the file; nothing is left behind
+        self._db.execute("PRAGMA journal_mode = OFF")  # scratch data: no journal, no fsync
+        self._db.execute("PRAGMA synchronous = OFF")
+        self._db.execute("PRAGMA cache_size = -4000")  # 4 MB
+        self._db.execute("CREATE TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
+
+    def fresh(self, chunk: list[str]) -> list[str]:
+        new = {row[0] for row in self._db.execute(
+            "INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
+            "ON CONFLICT DO NOTHING RETURNING id", (orjson.dumps(chunk).decode(),))}
+        out: list[str] = []
+        for item in chunk:
+            if item in new:
+                new.discard(item)  # (a repeat within the chunk: once)
+                out.append(item)
+        return out
+
+    def close(self) -> None:
+        self._db.close()
