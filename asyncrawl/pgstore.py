@@ -125,7 +125,10 @@ ON CONFLICT (job, id) DO UPDATE SET
     data = CASE WHEN i.state = 'ok' THEN i.data ELSE excluded.data END,
     generation = excluded.generation,
     paid = i.paid + excluded.paid,
-    sent_run = NULL, lease_owner = NULL, lease_until = NULL,
+    sent_run = CASE WHEN i.lease_owner IS DISTINCT FROM %(run)s AND i.lease_owner IS NOT NULL
+                    THEN i.sent_run END,
+    lease_owner = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_owner END,
+    lease_until = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_until END,
     doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
 """
 UPSERT_SENT = """
@@ -229,7 +232,11 @@ class PgStore:
                 conns[name] = psycopg.connect(url, autocommit=True, connect_timeout=10,
                                               application_name=f"asyncrawl {name}")
             store = cls(url, job, conns, lease)
-            store._ensure_schema()
+            if for_run:
+                store._ensure_schema()
+            elif not store._schema_exists():
+                raise ConfigError(f"no job {job!r} in {safe_url(url)}: no asyncrawl tables "
+                                  "there (check --state / [state] url)")
             store.job = store._identity()
         except psycopg.Error as e:
             for c in conns.values():
@@ -238,7 +245,20 @@ class PgStore:
             raise _storage_error(e, url, "connect to the state database") from None
         return store
 
+    def _schema_exists(self) -> bool:
+        names = ["asyncrawl_jobs", "asyncrawl_runs", "asyncrawl_items", "asyncrawl_ledger",
+                 "asyncrawl_items_open", "asyncrawl_items_state", "asyncrawl_items_doubt",
+                 "asyncrawl_runs_job", "asyncrawl_results"]
+        row = self._conns["control"].execute(
+            "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest(%s::text[]) AS n",
+            (names,)).fetchone()
+        return bool(row and row[0])
+
     def _ensure_schema(self) -> None:
+        """Create what is missing. Only then: ``CREATE INDEX IF NOT EXISTS`` takes a lock that
+        blocks writers even when the index exists, so it must not run at every open."""
+        if self._schema_exists():
+            return
         db = self._conns["control"]
         with db.transaction():
             db.execute("SELECT pg_advisory_xact_lock(hashtext('asyncrawl schema'))")
@@ -274,19 +294,21 @@ class PgStore:
         db.execute("INSERT INTO asyncrawl_jobs (job, identity) VALUES (%s, %s) "
                    "ON CONFLICT (job) DO NOTHING", (self.job_name, _jsonb(job)))
         db.execute("SELECT 1 FROM asyncrawl_jobs WHERE job = %s FOR UPDATE", (self.job_name,))
-        live = db.execute(
+        # A new generation only when no run has sent a heartbeat for a lease's time: a run
+        # that merely stalled for a few seconds (a pause, a slow database) is still at work.
+        working = db.execute(
             f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS NULL "
-            f"AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
-        if not live:
+            f"AND heartbeat > {NOW} - %s", (self.job_name, self.lease)).fetchone()[0]
+        if not working:
             db.execute("UPDATE asyncrawl_jobs SET generation = generation + 1, pause_until = NULL "
                        "WHERE job = %s", (self.job_name,))
             # the intents of runs that died: in doubt (possibly billed)
             db.execute(f"UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND {OPEN} "
                        "AND sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,))
-            db.execute("UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
-                       "lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
-                       "lease_owner IS NOT NULL) AND (state IS NULL OR state IN "
-                       "('failed', 'perm'))", (self.job_name,))
+            db.execute(f"UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
+                       f"lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
+                       f"lease_owner IS NOT NULL) AND {OPEN} AND (lease_until IS NULL OR "
+                       f"lease_until < {NOW})", (self.job_name,))
             db.execute("UPDATE asyncrawl_runs SET ended = heartbeat, error = 'died' "
                        "WHERE job = %s AND ended IS NULL", (self.job_name,))
         if job is not None:
@@ -294,9 +316,11 @@ class PgStore:
                        (_jsonb(job), self.job_name))
         self._gen = db.execute("SELECT generation FROM asyncrawl_jobs WHERE job = %s",
                                (self.job_name,)).fetchone()[0]
+        # merging from the start: no other run takes the job for done between this run's
+        # registration and its first IDs (its merge clears the flag when it is through)
         run, started = db.execute(
-            "INSERT INTO asyncrawl_runs (job, generation, host, pid, version) "
-            "VALUES (%s, %s, %s, %s, %s) RETURNING run, started",
+            "INSERT INTO asyncrawl_runs (job, generation, host, pid, version, merging) "
+            "VALUES (%s, %s, %s, %s, %s, true) RETURNING run, started",
             (self.job_name, self._gen, socket.gethostname(), extra.get("pid"),
              extra.get("version"))).fetchone()
         self._run, self._started = run, started
@@ -320,7 +344,7 @@ class PgStore:
             with db.cursor().copy("COPY asyncrawl_merging (id) FROM STDIN") as copy:
                 copy.write(text.encode("utf-8", "surrogatepass"))
             cur = db.execute("INSERT INTO asyncrawl_items (job, id, generation) SELECT %s, id, %s "
-                             "FROM asyncrawl_merging ON CONFLICT DO NOTHING",
+                             "FROM asyncrawl_merging ORDER BY id ON CONFLICT DO NOTHING",
                              (self.job_name, self._gen))
             return cur.rowcount
 
@@ -351,6 +375,9 @@ class PgStore:
                 FROM (SELECT id FROM asyncrawl_items
                       WHERE job = %(job)s AND {_PASS[pass_no]}
                         AND (lease_until IS NULL OR lease_until < {NOW})
+                        -- (a claim still on its way when its run ended takes nothing)
+                        AND EXISTS (SELECT 1 FROM asyncrawl_runs
+                                    WHERE run = %(run)s AND ended IS NULL)
                       LIMIT %(n)s FOR UPDATE SKIP LOCKED) AS c
                 WHERE i.job = %(job)s AND i.id = c.id
                 RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
@@ -400,7 +427,8 @@ class PgStore:
                         AND r.ended IS NULL AND r.heartbeat > {NOW} - %s)
                 FROM asyncrawl_jobs j WHERE j.job = %s""", (LIVE, self.job_name)).fetchone()
         h = None
-        if halt_gen == self._gen and halt and halt.get("run") != self._run:
+        if halt_gen == self._gen and halt and halt.get("run") != self._run \
+                and halt.get("at", 0.0) >= self._started:
             h = Halt(halt.get("reason", "fatal"), halt.get("status"), halt.get("message", ""))
         return JobSignal(h, max(0.0, (pause_until or 0.0) - now), max(1, int(live)))
 
@@ -410,8 +438,8 @@ class PgStore:
         def go() -> bool:
             with self._db("control", "publish the halt") as db:
                 cur = db.execute(
-                    "UPDATE asyncrawl_jobs SET halt_gen = %s, halt = %s WHERE job = %s "
-                    "AND halt_gen IS DISTINCT FROM %s",
+                    f"UPDATE asyncrawl_jobs SET halt_gen = %s, halt = %s || jsonb_build_object("
+                    f"'at', {NOW}) WHERE job = %s AND halt_gen IS DISTINCT FROM %s",
                     (self._gen, _jsonb({"reason": halt.reason, "status": halt.status,
                                         "message": halt.message, "run": self._run}),
                      self.job_name, self._gen))
@@ -519,7 +547,7 @@ class PgStore:
             db.execute(UPSERT_SENT, {"job": self.job_name, "run": self._run, "id": part})
         for group in _distinct(outcomes, lambda r: r.id):
             db.execute(UPSERT_OUTCOME, {
-                "job": self.job_name, "gen": self._gen,
+                "job": self.job_name, "gen": self._gen, "run": self._run,
                 "id": [r.id for r in group], "state": [r.state for r in group],
                 "status": [r.status for r in group], "error": [r.error for r in group],
                 "pass": [r.pass_no for r in group], "tries": [r.tries for r in group],
@@ -615,8 +643,10 @@ class PgStore:
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
-        for c in self._conns.values():
-            with contextlib.suppress(Exception):
+        """Close each connection once no thread uses it (a merge or claim that a cancelled
+        task left running in its thread finishes first)."""
+        for name, c in self._conns.items():
+            with self._locks[name], contextlib.suppress(Exception):
                 c.close()
 
     def __del__(self) -> None:  # a reader that ``status`` / ``export`` dropped: its connections

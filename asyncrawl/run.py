@@ -27,7 +27,7 @@ import logging
 import os
 import signal as signal_mod
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,8 @@ class Run:
                 job = _Shared(shared, Heartbeat(shared, self.stop, lambda: self.governor))
                 job.start(self._merge(shared, source))
                 await self._passes(self._claimed(job, 1, writer), session, writer,
-                                   second=lambda: self._claimed(job, 2, writer))
+                                   second=lambda: self._claimed(job, 2, writer),
+                                   second_left=lambda: shared.pass_left(2))
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -178,9 +179,10 @@ class Run:
 
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
                       writer: Writer,
-                      second: Callable[[], AsyncIterator[Chunk]] | None = None) -> None:
+                      second: Callable[[], AsyncIterator[Chunk]] | None = None,
+                      second_left: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Pass 1, then, after the cool-down, pass 2 over what failed: this run's failures, or
-        (``second``: a shared job's) the job's."""
+        (``second``: a shared job's) the job's, if ``second_left()`` says there are any."""
         cfg, hooks = self.config, self.hooks
         self.governor = Governor(
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
@@ -189,7 +191,9 @@ class Run:
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe)
         failed = (await self._pass(1, first, fetcher, budget, writer)).failed
-        if not cfg.second_pass or not (failed or second) or self.stop.is_set():
+        if not cfg.second_pass or self.stop.is_set():
+            return
+        if not failed and (second_left is None or not await second_left()):
             return
         self.cooling = True
         await _wait_first(self.stop.event, timeout=cfg.cooldown)
@@ -285,8 +289,8 @@ class Run:
                             Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
                             "unavailable", permanent=True, pass_no=2, keep_data=False))
                         continue
-                    if state is not None:  # failed before: no evidence of an outage now
-                        history[item] = Item(item, tries if pass_no == 2 else 0, suspect=True)
+                    if state is not None and pass_no == 1:  # failed in an earlier generation:
+                        history[item] = Item(item, suspect=True)  # no evidence of an outage
                     todo.append(item)
                 if todo:
                     yield todo, -1, None

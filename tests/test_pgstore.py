@@ -346,3 +346,28 @@ def test_the_job_signals_reach_every_run(job: str) -> None:
             await b.close()
 
     asyncio.run(go())
+
+
+def test_a_run_counts_as_merging_from_its_registration(job: str) -> None:
+    """A joining run does not take the job for done while another run is registered but has
+    not merged its first IDs yet; it does once that run's merge is through."""
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        giver, joiner = await PgStore.open(PG, job), await PgStore.open(PG, job)
+        try:
+            giver.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            joiner.commit([Record("run", extra={"version": "t", "pid": 2, "job": None})])
+            await joiner.set_merging(False)  # the joiner brought no IDs
+            assert await joiner.claim(1, 10) == []
+            assert await joiner.pass_left(1)  # the giver is still to merge: wait
+            await giver.merge(["a", "b"])
+            await giver.set_merging(False)
+            assert sorted(r[0] for r in await joiner.claim(1, 10)) == ["a", "b"]
+            assert not await joiner.pass_left(1)  # everything is in the joiner's hands
+        finally:
+            await giver.close()
+            await joiner.close()
+
+    asyncio.run(go())
