@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,16 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 
 @pytest.fixture
-def job() -> str:
-    return f"test-{uuid.uuid4().hex[:12]}"
+def job() -> Iterator[str]:
+    """A job of the test's own, deleted afterwards (the database is the machine's, shared)."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    import psycopg
+
+    with psycopg.connect(PG) as db:
+        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger", "asyncrawl_jobs"):
+            if db.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None:
+                db.execute(f"DELETE FROM {table} WHERE job = %s", (name,))
 
 
 def pg_rows(query: str, *params: Any) -> list[tuple[Any, ...]]:
