@@ -32,6 +32,8 @@ from .errors import ConfigError
 
 log = logging.getLogger("asyncrawl")
 
+PG_SCHEMES = ("postgresql://", "postgres://")  # a [state] url: a PostgreSQL store
+
 DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402})
@@ -559,7 +561,7 @@ def _check_values(c: Config) -> None:
         raise bad("max_spend", "needs [billing] price_per_call to be set")
     if c.response_format not in ("json", "text", "bytes"):
         raise bad("response_format", f"must be one of json, text, bytes; got {c.response_format!r}")
-    if c.state_url is not None and not c.state_url.startswith(("postgresql://", "postgres://")):
+    if c.state_url is not None and not c.state_url.startswith(PG_SCHEMES):
         raise bad("state_url", f"must be a postgresql:// URL, got {c.redact(c.state_url)!r}")
     if not c.job.strip() or len(c.job) > 200:
         raise bad("job", f"must be a name of 1 to 200 characters, got {c.job!r}")

@@ -17,7 +17,9 @@ exactly one place, ``fetch.Fetcher._attempt``, so callers never see a backend's 
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any
 
 
 class AsyncrawlError(Exception):
@@ -84,3 +86,13 @@ class JournalCorrupt(StorageError):
     def __init__(self, message: str, *, path: Path | str, offset: int):
         self.offset = offset
         super().__init__(f"{message} at byte offset {offset}", path=path)
+
+
+def require_extra(module: str, extra: str, feature: str) -> Any:
+    """Import the optional ``module``, or ``ConfigError`` (exit 2) saying which extra the
+    ``feature`` needs."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{feature} needs the '{extra}' extra: "
+                          f"pip install 'asyncrawl[{extra}]'") from None

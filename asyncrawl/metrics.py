@@ -13,18 +13,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, require_extra
 from .fetch import status_class
 from .types import Progress, Result
 
 
 def _client() -> Any:
-    try:
-        import prometheus_client
-    except ImportError:
-        raise ConfigError("--metrics needs the 'metrics' extra: pip install 'asyncrawl[metrics]'"
-                          ) from None
-    return prometheus_client
+    return require_extra("prometheus_client", "metrics", "--metrics")
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -22,20 +22,15 @@ from typing import Any
 
 import orjson
 
-from .errors import ConfigError, StorageError
+from .errors import StorageError, require_extra
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
 
 
 def _pyarrow() -> tuple[Any, Any]:
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise ConfigError("--format parquet needs the 'parquet' extra: "
-                          "pip install 'asyncrawl[parquet]'") from None
-    return pyarrow, pyarrow.parquet
+    return (require_extra("pyarrow", "parquet", "--format parquet"),
+            require_extra("pyarrow.parquet", "parquet", "--format parquet"))
 
 
 def check() -> None:

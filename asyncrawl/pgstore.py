@@ -48,16 +48,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from .config import endpoint_of
-from .errors import ConfigError, StorageError
-from .records import OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
+from .config import PG_SCHEMES, endpoint_of
+from .errors import ConfigError, StorageError, require_extra
+from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
 
-SCHEMES = ("postgresql://", "postgres://")
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 LIVE = 3.0  # a run whose heartbeat is older than this is not counted as working
@@ -67,7 +64,6 @@ _PASS = {
     1: "(state IS NULL OR (state IN ('failed', 'perm') AND generation < %(gen)s))",
     2: "(state IN ('failed', 'perm') AND generation = %(gen)s AND pass = 1)",
 }
-EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 NOW = "extract(epoch from clock_timestamp())::float8"
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 
@@ -147,16 +143,11 @@ ON CONFLICT (job, day, endpoint, run) DO UPDATE SET
 
 def is_url(location: str | os.PathLike[str]) -> bool:
     """Whether a ``--state`` / ``[state]`` location names a PostgreSQL database."""
-    return isinstance(location, str) and location.startswith(SCHEMES)
+    return isinstance(location, str) and location.startswith(PG_SCHEMES)
 
 
 def _psycopg() -> Any:
-    try:
-        import psycopg
-    except ImportError:
-        raise ConfigError("a postgresql:// state needs the 'postgres' extra: "
-                          "pip install 'asyncrawl[postgres]'") from None
-    return psycopg
+    return require_extra("psycopg", "postgres", "a postgresql:// state")
 
 
 def safe_url(url: str) -> str:
@@ -269,6 +260,12 @@ class PgStore:
             "SELECT identity FROM asyncrawl_jobs WHERE job = %s", (self.job_name,)).fetchone()
         return row[0] if row else None
 
+    def _runs_alive(self, db: Any, within: float) -> int:
+        """Runs of the job not ended whose last heartbeat is at most ``within`` s old."""
+        return int(db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
+                              f"NULL AND heartbeat > {NOW} - %s",
+                              (self.job_name, within)).fetchone()[0])
+
     def _job_exists(self) -> bool:
         return self._conns["control"].execute(
             "SELECT 1 FROM asyncrawl_jobs WHERE job = %s", (self.job_name,)).fetchone() is not None
@@ -296,9 +293,7 @@ class PgStore:
         db.execute("SELECT 1 FROM asyncrawl_jobs WHERE job = %s FOR UPDATE", (self.job_name,))
         # A new generation only when no run has sent a heartbeat for a lease's time: a run
         # that merely stalled for a few seconds (a pause, a slow database) is still at work.
-        working = db.execute(
-            f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS NULL "
-            f"AND heartbeat > {NOW} - %s", (self.job_name, self.lease)).fetchone()[0]
+        working = self._runs_alive(db, self.lease)
         if not working:
             db.execute("UPDATE asyncrawl_jobs SET generation = generation + 1, pause_until = NULL "
                        "WHERE job = %s", (self.job_name,))
@@ -552,7 +547,7 @@ class PgStore:
                 "status": [r.status for r in group], "error": [r.error for r in group],
                 "pass": [r.pass_no for r in group], "tries": [r.tries for r in group],
                 "paid": [r.paid for r in group], "ts": [r.ts for r in group],
-                "data": [_data(r) if r.kind == "ok" else None for r in group]})
+                "data": [r.stored_payload() if r.kind == "ok" else None for r in group]})
 
     def _end_run(self, rec: Record, sent: list[str], outcomes: list[Record]) -> None:
         """The run's end: what was cut off in flight is in doubt; what it held and did not
@@ -587,8 +582,7 @@ class PgStore:
             doubt = dict(db.execute("SELECT doubt, count(*) FROM asyncrawl_items WHERE job = %s "
                                     "AND doubt IS NOT NULL GROUP BY doubt",
                                     (self.job_name,)).fetchall())
-            live = db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
-                              f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
+            live = self._runs_alive(db, LIVE)
             open_sent = db.execute(
                 f"SELECT count(*) FROM asyncrawl_items WHERE job = %s AND {OPEN} AND "
                 "sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,)).fetchone()[0]
@@ -630,8 +624,7 @@ class PgStore:
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         with self._db("control", "read the job") as db:
-            live = db.execute(f"SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND ended IS "
-                              f"NULL AND heartbeat > {NOW} - %s", (self.job_name, LIVE)).fetchone()[0]
+            live = self._runs_alive(db, LIVE)
             query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IS NOT NULL"
             if not live:
                 query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
@@ -670,12 +663,6 @@ def _jsonb(value: Any) -> Any:
     from psycopg.types.json import Jsonb
 
     return Jsonb(value) if value is not None else None
-
-
-def _data(rec: Record) -> bytes | None:
-    if rec.raw is not None:
-        return rec.raw
-    return orjson.dumps(rec.data) if rec.data is not None else None
 
 
 def _distinct(rows: list[Any], key: Any) -> Iterator[list[Any]]:

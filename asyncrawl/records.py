@@ -31,6 +31,8 @@ import orjson
 from .types import Halt, Result
 
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
+# what ``export --outcome X`` takes: the states of each outcome
+EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
 
 
@@ -96,6 +98,13 @@ class Record(_RecordFields):
         if self.data is None and self.raw is not None:
             return orjson.loads(self.raw)
         return self.data
+
+    def stored_payload(self) -> bytes | None:
+        """An ``ok`` record's payload as a store keeps it (JSON, UTF-8): the body as received,
+        or ``data`` serialised."""
+        if self.raw is not None:
+            return self.raw
+        return orjson.dumps(self.data) if self.data is not None else None
 
     def result(self) -> Result:
         """The ``Result`` an outcome record stands for (what ``on_result`` receives)."""

@@ -285,9 +285,7 @@ class Run:
                 todo = []
                 for item, state, status, error, tries in batch:
                     if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:
-                        writer.put(outcome_record(
-                            Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
-                            "unavailable", permanent=True, pass_no=2, keep_data=False))
+                        writer.put(_unavailable(item, tries, status, error, permanent=True))
                         continue
                     if state is not None and pass_no == 1:  # failed in an earlier generation:
                         history[item] = Item(item, suspect=True)  # no evidence of an outage
@@ -321,9 +319,7 @@ class Run:
         for item, (permanent, status, error, tries, unusable) in failed.items():
             bought = unusable > cfg.paid_retries  # never buy an unusable answer again
             if bought or (permanent and not cfg.recheck_permanent):
-                writer.put(outcome_record(Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
-                                          "unavailable", permanent=permanent, pass_no=2,
-                                          keep_data=False))
+                writer.put(_unavailable(item, tries, status, error, permanent=permanent))
                 continue
             if unusable:
                 self.history[item] = Item(item, unusable=unusable)
@@ -477,6 +473,13 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
         + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
         "address what the old job had not settled and keep what it had, pass --reuse-state "
         "([state] reuse = true)")
+
+
+def _unavailable(item: str, tries: int, status: int | None, error: str | None, *,
+                 permanent: bool) -> Record:
+    """Pass 2's record for an ID not to be tried again: settled unavailable as it failed."""
+    return outcome_record(Item(item, tries), Attempt(Outcome.SKIP, status, error=error),
+                          "unavailable", permanent=permanent, pass_no=2, keep_data=False)
 
 
 class _Shared:

@@ -57,7 +57,7 @@ from .config import endpoint_of
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
-from .records import OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
+from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -67,7 +67,6 @@ SCHEMA_VERSION = 1
 CHUNK = 900  # IDs per lookup statement
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
-EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT) WITHOUT ROWID;
@@ -391,7 +390,7 @@ class SqliteStore:
             elif kind in OUTCOME_KINDS:
                 groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
                                         rec.tries, rec.paid, rec.ts,
-                                        _data(rec) if kind == "ok" else None))
+                                        rec.stored_payload() if kind == "ok" else None))
             elif kind == "billed":
                 groups.billed.append((rec.paid, rec.id))
             elif kind == "run":
@@ -666,13 +665,6 @@ def _same_file(a: Any, b: dict[str, Any]) -> bool:
 def _close_open_intents(db: sqlite3.Connection) -> None:
     db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND doubt IS NULL")
     db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
-
-
-def _data(rec: Record) -> bytes | None:
-    """An ok record's payload as JSON (UTF-8): the body as received, or ``data`` serialised."""
-    if rec.raw is not None:
-        return rec.raw
-    return orjson.dumps(rec.data) if rec.data is not None else None
 
 
 def _connect(path: Path) -> sqlite3.Connection:
