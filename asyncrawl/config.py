@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -74,6 +75,10 @@ class Config:
     body: str | None = None  # a text body ("{id}" filled in), sent as ``content_type``
     content_type: str | None = None
     secret_names: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()  # several API keys, each with its share of the rate
+    key_header: str = "Authorization"  # where a key goes ...
+    key_format: str = "Bearer {key}"  # ... and how
+    key_param: str | None = None  # or: the query parameter it goes in
     error_field: str | None = None
     success_values: tuple[Any, ...] = ()
     response_format: str = "json"
@@ -128,6 +133,7 @@ class Config:
             set_(self, name, frozenset(getattr(self, name)))
         set_(self, "success_values", tuple(self.success_values))
         set_(self, "secret_names", tuple(self.secret_names))
+        set_(self, "keys", tuple(self.keys))
         set_(self, "method", self.method.upper())
         if self.burst is None:
             set_(self, "burst", max(1, math.ceil(self.rate)) if _is_num(self.rate) else 1)
@@ -137,6 +143,12 @@ class Config:
             if self.is_secret_header(k):
                 secrets.update(_credential_parts(str(v), cookie=k.lower() == "cookie"))
         secrets.update(str(v) for k, v in self.params.items() if self.is_secret_param(k))
+        for key in self.keys:  # each key is a secret wherever it goes
+            if isinstance(key, str):
+                secrets.add(key)
+                if isinstance(self.key_format, str) and self.key_param is None:
+                    value = self.key_format.replace("{key}", key)
+                    secrets.update(_credential_parts(value, cookie=False))
         if isinstance(self.url, str):
             secrets.update(_userinfo(self.url))
         if isinstance(self.state_url, str):  # postgresql://user:password@host/db
@@ -150,7 +162,8 @@ class Config:
         secrets = {s for s in secrets if len(s) >= MIN_SECRET_LENGTH}
         set_(self, "secrets", frozenset(secrets))
         set_(self, "_needles", _forms_of(secrets))
-        names = "|".join([_PARAM_NAMES, *(re.escape(n) for n in self.secret_names)])
+        names = "|".join([_PARAM_NAMES, *(re.escape(n) for n in self.secret_names),
+                          *([re.escape(self.key_param)] if isinstance(self.key_param, str) else [])])
         set_(self, "_param_re", re.compile(rf"([?&;](?:{names})=)[^&#\s'\"<>]+", re.I))
         with self._redacting_errors():
             _validate(self)
@@ -252,7 +265,9 @@ class Config:
 
     def is_secret_header(self, name: str) -> bool:
         """Whether a header of this name carries a credential (auth-like, or in ``secret_names``)."""
-        return bool(_SECRET_HEADER.search(name)) or name.lower() in _lower(self.secret_names)
+        return (bool(_SECRET_HEADER.search(name)) or name.lower() in _lower(self.secret_names)
+                or (bool(self.keys) and self.key_param is None
+                    and name.lower() == self.key_header.lower()))
 
     @property
     def state(self) -> str:
@@ -282,7 +297,9 @@ class Config:
 
     def is_secret_param(self, name: str) -> bool:
         """Whether a query parameter of this name carries a credential."""
-        return bool(_SECRET_PARAM.match(name)) or name.lower() in _lower(self.secret_names)
+        return (bool(_SECRET_PARAM.match(name)) or name.lower() in _lower(self.secret_names)
+                or (bool(self.keys) and self.key_param is not None
+                    and name.lower() == self.key_param.lower()))
 
     @property
     def request_budget(self) -> int | None:
@@ -315,6 +332,10 @@ TOML_KEYS: dict[str, str] = {
     "request.body": "body",
     "request.content_type": "content_type",
     "request.secret_names": "secret_names",
+    "request.keys": "keys",
+    "request.key_header": "key_header",
+    "request.key_format": "key_format",
+    "request.key_param": "key_param",
     "response.error_field": "error_field",
     "response.success_values": "success_values",
     "response.format": "response_format",
@@ -464,7 +485,7 @@ def _check_shapes(c: Config) -> None:
         v = getattr(c, name)
         if v is not None and not (isinstance(v, Mapping) and all(isinstance(k, str) for k in v)):
             raise bad(name, f"must be a table of name = value, got {type(v).__name__}")
-    for name in ("retryable", "skip", "fatal", "success_values", "secret_names"):
+    for name in ("retryable", "skip", "fatal", "success_values", "secret_names", "keys"):
         v = getattr(c, name)
         if not isinstance(v, list | tuple | set | frozenset):
             raise bad(name, f"must be a list, got {type(v).__name__}")
@@ -515,11 +536,11 @@ def _check_types(c: Config) -> None:
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
         elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects",
-                      "response_format", "job"):
+                      "response_format", "job", "key_header", "key_format"):
             if not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
         elif name in ("ids", "ca_bundle", "on_halt", "webhook", "error_field", "state_url",
-                      "proxy", "body", "content_type"):
+                      "proxy", "body", "content_type", "key_param"):
             if v is not None and not isinstance(v, str):
                 raise bad(name, f"must be a string, got {type(v).__name__}")
         elif name in ("headers", "params"):
@@ -528,6 +549,13 @@ def _check_types(c: Config) -> None:
                     raise bad(name, f"value of {k!r} must be a string")
                 if any(ch in str(hv) for ch in "\r\n\0"):
                     raise bad(name, f"value of {k!r} contains a line break or NUL")
+        elif name == "keys":
+            for key in v:
+                if not isinstance(key, str) or not key:
+                    raise bad(name, "must be a list of non-empty strings (the API keys, each "
+                                    "best as \"${ENV_VAR}\")")
+                if any(ch in key for ch in "\r\n\0"):
+                    raise bad(name, "a key contains a line break or NUL")
         elif name in ("retryable", "skip", "fatal"):
             for code in v:
                 if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
@@ -582,11 +610,39 @@ def _check_values(c: Config) -> None:
                             "(set [request] method, or -X)")
     if c.content_type is not None and c.body is None:
         raise bad("content_type", "is the type of [request] body, which is not set")
+    _check_keys(c)
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:
         raise bad("retryable", f"status {sorted(overlap)[0]} is in more than one of retryable, skip, fatal")
     in_body = (c.body is not None and "{id}" in c.body) or _has_id(c.json)
     validate_url_template(c.url, c.params, in_body=in_body)
+
+
+def _check_keys(c: Config) -> None:
+    if not c.keys:
+        return
+    if len(set(c.keys)) != len(c.keys):
+        raise _bad("keys", "lists the same key twice")
+    if c.key_param is not None:
+        if not c.key_param.strip():
+            raise _bad("key_param", "must be a query parameter name")
+        if any(k.lower() == c.key_param.lower() for k in c.params):
+            raise _bad("key_param", f"{c.key_param!r} is in [request.params] too: a key goes "
+                                    "in one place")
+        return
+    if "{key}" not in c.key_format:
+        raise _bad("key_format", f"must contain {{key}}, got {c.key_format!r}")
+    if not c.key_header.strip() or any(ch in c.key_header for ch in ":\r\n\0 "):
+        raise _bad("key_header", f"must be a header name, got {c.key_header!r}")
+    if any(k.lower() == c.key_header.lower() for k in c.headers):
+        raise _bad("key_header", f"{c.key_header!r} is in [request.headers] too: with [request] "
+                                 "keys, each request carries one of the keys there")
+
+
+def key_fingerprint(key: str) -> str:
+    """What the ledger and the logs call an API key: the first 8 hex digits of its SHA-256
+    (``printf %s "$KEY" | sha256sum | cut -c1-8``), never the key."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
 
 
 def _has_id(value: Any) -> bool:

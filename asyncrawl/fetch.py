@@ -133,13 +133,16 @@ _TEMPLATE_SAFE = "%:/?#[]@!$&'()*+,;=~-._"
 
 class RequestBuilder:
     """Turns an ID into a ``Request`` from the config's URL template, params, headers and
-    body (``[request] json`` or ``body``)."""
+    body (``[request] json`` or ``body``), and ``key`` (one of ``[request] keys``) where
+    ``key_header`` / ``key_param`` say."""
 
     __slots__ = ("_fast", "_parts", "_query_parts", "body", "headers", "method")
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, key: str | None = None) -> None:
         self.method = config.method
         self.headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
+        if key is not None and config.key_param is None:
+            self.headers[config.key_header] = config.key_format.replace("{key}", key)
         self.body, content_type = body_maker(config)
         if content_type and not any(k.lower() == "content-type" for k in self.headers):
             self.headers["Content-Type"] = content_type
@@ -153,6 +156,8 @@ class RequestBuilder:
         self._query_parts = [
             (k, [quote(p, safe="") for p in pieces]) for k, pieces in query
         ]
+        if key is not None and config.key_param is not None:  # taken as is: no {id} in a key
+            self._query_parts.append((quote(config.key_param, safe=""), [quote(key, safe="")]))
         self._fast = self._fast_parts()
 
     def _fast_parts(self) -> tuple[str, str, list[str], str] | None:
@@ -192,6 +197,15 @@ class RequestBuilder:
             q = "&".join(f"{k}={enc.join(pieces)}" for k, pieces in self._query_parts)
             url += ("&" if "?" in url else "?") + q
         return URL(url, encoded=True)
+
+
+def with_key(config: Config, key: str, url: URL,
+             headers: Mapping[str, str]) -> tuple[URL, Mapping[str, str]]:
+    """``url`` and ``headers`` carrying ``key`` where the config says (a ``request_for``
+    hook's request, which knows nothing of the keys)."""
+    if config.key_param is not None:
+        return url.update_query({config.key_param: key}), headers
+    return url, {**headers, config.key_header: config.key_format.replace("{key}", key)}
 
 
 def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | None]:
@@ -265,7 +279,9 @@ class Fetcher:
         self.observe = observe
         self.config = config
         self.request_for = request_for  # a hook; None: the config's template (no Request made)
-        self._build = RequestBuilder(config)
+        # one builder per API key (``[request] keys``; the lane of ``Governor``), else one
+        self._builds = [RequestBuilder(config, key) for key in config.keys] or [
+            RequestBuilder(config)]
         self.classify = classify
         self.timeout = client_timeout(config)
         # a 200 is OK when its body parses, unless a hook or the config may say otherwise
@@ -277,26 +293,29 @@ class Fetcher:
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
-    async def attempt(self, item_id: str) -> Attempt:
-        """One try for ``item_id``. Never raises for network or HTTP problems. Every attempt,
-        whatever it led to, is shown to ``observe`` (the operator's error counts)."""
-        result = await self._attempt(item_id)
+    async def attempt(self, item_id: str, lane: int = 0) -> Attempt:
+        """One try for ``item_id``, with the API key of ``lane`` (``[request] keys``). Never
+        raises for network or HTTP problems. Every attempt, whatever it led to, is shown to
+        ``observe`` (the operator's error counts)."""
+        result = await self._attempt(item_id, lane)
         if self.observe is not None:
             self.observe(item_id, result)
         return result
 
-    async def _attempt(self, item_id: str) -> Attempt:
+    async def _attempt(self, item_id: str, lane: int) -> Attempt:
         cfg = self.config
         try:
             data: bytes | None = None
             if self.request_for is None:
-                b = self._build
+                b = self._builds[lane]
                 method, url, headers, body = b.method, b.url(item_id), b.headers, None
                 if b.body is not None:
                     data = b.body(item_id)
             else:
                 req = self.request_for(item_id)
                 method, url, headers, body = req.method, req.url, req.headers, req.json
+                if cfg.keys:  # the hook builds the request; the key is the lane's
+                    url, headers = with_key(cfg, cfg.keys[lane], URL(url), headers)
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
                     method, url, headers=headers, json=body, data=data, allow_redirects=False,

@@ -9,6 +9,8 @@
    when the server limits us and climbs back while it does not.
 4. **Token bucket** — aiolimiter at the configured ``rate`` with ``burst``: the hard ceiling.
 
+With several API keys, 3 and 4 (and a 429's pause) are per key: see ``Governor``.
+
 and separately ``Budget`` (billable calls this run). Retries are ordinary traffic under the same
 rate: a retry waits for its own backoff and for nothing else while the server is healthy; what
 protects a sick server are the signs that it is sick (429s slow the rate, a run of failures
@@ -347,42 +349,107 @@ def _binomial_tail(k: int, n: int, p: float) -> float:
 
 
 class Ticket(NamedTuple):
-    """Handed out by ``Governor.acquire``; given back with the answer."""
+    """Handed out by ``Governor.acquire``; given back with the answer. ``lane``: the API key
+    (``Lane``) the request goes out with."""
 
     sent_at: float
     probe: bool
+    lane: int = 0
 
 
-class Governor:
-    """Pause + breaker + adaptive rate + token bucket, on the event loop's clock."""
+class Lane:
+    """One API key's share of the job's rate (``[request] keys``; one lane without keys): its
+    own token bucket, adaptive rate and ``Retry-After`` pause, because a provider that gives a
+    quota per key limits each key by itself. ``retired``: the key was refused (401/402)."""
 
-    def __init__(self, *, rate: float, burst: int, adaptive: bool = True,
-                 breaker: Breaker | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        now = self._loop.time()
+    __slots__ = ("controller", "index", "limiter", "next_slot", "paused_until", "rate",
+                 "retired", "turn")
+
+    def __init__(self, index: int, rate: float, burst: int, *, adaptive: bool,
+                 now: float) -> None:
+        self.index = index
         self.rate = rate
-        self.burst = burst
         self.limiter = AsyncLimiter(burst, burst / rate)
         self.controller = RateController(max_rate=rate, now=now) if adaptive else None
-        self.breaker = breaker
-        # Are there IDs not yet sent (the breaker's to protect)? Set by each pass; while it says
-        # no, an open breaker stands down: the IDs left are retries with their own backoff.
-        self.unsent: Callable[[], bool] = lambda: True
         self.paused_until = 0.0
-        self.runs = 1  # processes sharing the job's rate (``share``)
-        self._next_slot = 0.0  # pacing at the effective rate, when it is below the configured one
+        self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``
+        self.turn = 0.0  # when it is this lane's turn again, at its effective rate
+        self.retired = False
 
     def __repr__(self) -> str:
-        return (f"<Governor rate={self.effective_rate:.1f}/{self.rate:g}/s burst={self.burst} "
-                f"paused_for={self.paused_for:.1f}s {self.breaker!r}>")
+        return (f"<Lane {self.index} rate={self.effective_rate:.1f}/{self.rate:g} "
+                f"paused_until={self.paused_until:.1f} retired={self.retired}>")
 
     @property
     def effective_rate(self) -> float:
         return self.controller.rate if self.controller else self.rate
 
+    def resize(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.limiter = AsyncLimiter(burst, burst / rate)
+        c = self.controller
+        if c is not None:  # unless it had slowed down to a quota, it goes with the share
+            c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
+            c.max_rate = rate
+
+    def pause(self, now: float, until: float) -> None:
+        if until > self.paused_until:
+            if self.controller is not None:
+                self.controller.on_pause(max(now, self.paused_until), until)
+            self.paused_until = until
+
+
+class Governor:
+    """Pause + breaker + adaptive rate + token bucket, on the event loop's clock.
+
+    With several API keys (``keys`` > 1) each key is a ``Lane`` with ``1 / keys`` of the rate
+    and burst; ``acquire`` gives each request to the live lane whose turn comes first (turns
+    advance at each lane's effective rate: a key slowed by its 429s gets fewer requests, a
+    paused one none). A 429's ``Retry-After`` pauses its own key; any other ``Retry-After``
+    (a 503: the upstream) pauses every key. A key refused with 401/402 is retired (``retire``)."""
+
+    def __init__(self, *, rate: float, burst: int, adaptive: bool = True,
+                 breaker: Breaker | None = None, keys: int = 1) -> None:
+        self._loop = asyncio.get_running_loop()
+        now = self._loop.time()
+        self.rate = rate
+        self.burst = burst
+        self.lanes = [Lane(i, rate / keys, max(1, round(burst / keys)), adaptive=adaptive,
+                           now=now) for i in range(keys)]
+        self._single = keys == 1
+        self.breaker = breaker
+        # Are there IDs not yet sent (the breaker's to protect)? Set by each pass; while it says
+        # no, an open breaker stands down: the IDs left are retries with their own backoff.
+        self.unsent: Callable[[], bool] = lambda: True
+        self.paused_until = 0.0  # the whole job's pause
+        self.runs = 1  # processes sharing the job's rate (``share``)
+
+    def __repr__(self) -> str:
+        return (f"<Governor rate={self.effective_rate:.1f}/{self.rate:g}/s burst={self.burst} "
+                f"paused_for={self.paused_for:.1f}s lanes={len(self.live)} {self.breaker!r}>")
+
+    @property
+    def live(self) -> list[Lane]:
+        """The lanes whose key has not been refused."""
+        return [lane for lane in self.lanes if not lane.retired]
+
+    @property
+    def controller(self) -> RateController | None:
+        """The first lane's adaptive rate (the only one without ``keys``)."""
+        return self.lanes[0].controller
+
+    @property
+    def effective_rate(self) -> float:
+        return sum(lane.effective_rate for lane in self.live)
+
     @property
     def paused_for(self) -> float:
-        return max(0.0, self.paused_until - self._loop.time())
+        now = self._loop.time()
+        until = self.paused_until
+        live = self.live
+        if live and not self._single:  # every key paused by itself: the job waits too
+            until = max(until, min(lane.paused_until for lane in live))
+        return max(0.0, until - now)
 
     @property
     def breaker_open(self) -> bool:
@@ -392,26 +459,44 @@ class Governor:
         """Take ``1 / runs`` of the job's rate and burst: ``runs`` processes work on one job
         and together keep to its limit."""
         self.runs = runs
-        rate, burst = self.rate / runs, max(1, round(self.burst / runs))
-        self.limiter = AsyncLimiter(burst, burst / rate)
-        c = self.controller
-        if c is not None:  # unless it had slowed down to a quota, it goes with the share
-            c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
-            c.max_rate = rate
+        n = len(self.lanes)
+        for lane in self.lanes:
+            lane.resize(self.rate / runs / n, max(1, round(self.burst / runs / n)))
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""
         now = self._loop.time()
         until = now + seconds
         if until > self.paused_until:
-            if self.controller is not None:
-                self.controller.on_pause(max(now, self.paused_until), until)
+            for lane in self.lanes:
+                if lane.controller is not None:
+                    lane.controller.on_pause(max(now, self.paused_until, lane.paused_until),
+                                             until)
             self.paused_until = until
 
+    def retire(self, lane: int) -> int:
+        """The key of ``lane`` was refused: no request goes out with it again. Returns how many
+        keys are left (0: the job cannot go on)."""
+        self.lanes[lane].retired = True
+        return len(self.live)
+
+    def _pick(self, now: float) -> Lane | None:
+        """The live lane whose turn comes first (``None``: every key is retired)."""
+        best, best_at = None, math.inf
+        for lane in self.lanes:
+            if not lane.retired:
+                at = max(lane.turn, lane.paused_until)
+                if at < best_at:
+                    best, best_at = lane, at
+        if best is not None:
+            best.turn = max(best.turn, now) + 1.0 / best.effective_rate
+        return best
+
     async def acquire(self) -> Ticket:
-        """Wait until a request may start."""
+        """Wait until a request may start. With every key retired it waits for ever (the
+        worker that retired the last one has stopped the job)."""
         loop = self._loop
-        breaker, c, limiter = self.breaker, self.controller, self.limiter
+        breaker = self.breaker
         while True:
             now = loop.time()
             if self.paused_until > now:
@@ -425,18 +510,26 @@ class Governor:
                 if gate is not None and gate > 0:
                     await asyncio.sleep(min(gate, 0.25))  # re-check: it may close meanwhile
                     continue
+            lane = self.lanes[0] if self._single else self._pick(now)
+            if lane is None:
+                await asyncio.Future()  # cancelled with the pass
+                continue
+            if lane.paused_until > now:  # every live key is paused
+                await asyncio.sleep(min(lane.paused_until - now, 0.25))
+                continue
+            c = lane.controller
             if c is not None:
                 c.tick(now)
                 if c.limited:
-                    slot = max(self._next_slot, now)
-                    self._next_slot = slot + 1.0 / c.rate
+                    slot = max(lane.next_slot, now)
+                    lane.next_slot = slot + 1.0 / c.rate
                     if slot > now:
                         await asyncio.sleep(slot - now)
-            await limiter.acquire()
+            await lane.limiter.acquire()
             # The waits above took time: decide on what holds *now* (a pause may have begun,
             # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()
-            if self.paused_until > now:
+            if self.paused_until > now or lane.paused_until > now or lane.retired:
                 continue
             probe = False
             if breaker is not None and breaker.open:
@@ -446,7 +539,7 @@ class Governor:
                 probe = gate == 0
             if c is not None:
                 c.on_send(now)
-            return Ticket(now, probe)
+            return Ticket(now, probe, lane.index)
 
     def on_response(self, ticket: Ticket, item_id: str, *, limited: bool, failed: bool,
                     retry_after: float | None, evidence: bool = True) -> None:
@@ -454,15 +547,20 @@ class Governor:
         ``evidence``: the answer may count towards opening the breaker (an ID's first try:
         retries of IDs that already failed say nothing about the upstream as a whole)."""
         now = self._loop.time()
-        c = self.controller
+        lane = self.lanes[ticket.lane]
+        c = lane.controller
         asked = retry_after is not None and (limited or failed)
         if c is not None:
             c.on_response(now, ticket.sent_at, limited, asked)
         # A Retry-After holds every request when the server is holding back the job; a lone
         # one (one item's lock, a stray 429 among hundreds of 200s) holds only its own item,
-        # which the worker parks for that long. Without the adaptive rate: every one.
+        # which the worker parks for that long. Without the adaptive rate: every one. With
+        # several keys, a 429 holds back its own key.
         if asked and (c is None or c.limiting(now)):
-            self.pause(retry_after)  # type: ignore[arg-type]
+            if limited and not self._single:
+                lane.pause(now, now + retry_after)  # type: ignore[operator]
+            else:
+                self.pause(retry_after)  # type: ignore[arg-type]
         if self.breaker is not None and (evidence or ticket.probe):
             self.breaker.on_response(now, item_id, failed or (limited and ticket.probe),
                                      ticket.probe, ticket.sent_at)

@@ -27,6 +27,7 @@ class Item:
     suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
     sent: bool = False  # sent at least once in this pass (even if the try was not charged)
     block: int = -1  # the block of the IDs file it was read in (pass 1 of a file), else -1
+    paid_by: dict[str, int] | None = None  # paid answers by API key fingerprint ([request] keys)
 
 
 class IdQueue:

@@ -25,6 +25,8 @@ committed transaction is on disk). Tables (created on first use, in the connecti
                     generation, lease_owner, lease_until, sent_run, sends, doubt)
     asyncrawl_ledger(job, day, endpoint, run, sent, billable)   (a row per run: no two runs'
                                                                  commits wait for one row)
+    asyncrawl_key_ledger(job, day, key, run, sent, billable)    the same per API key
+                                                                 fingerprint ([request] keys)
 
 A job's *generation* counts the times it was started with no process working on it: pass 1
 of a generation takes the IDs without an outcome and those that failed in an earlier
@@ -97,6 +99,11 @@ CREATE TABLE IF NOT EXISTS asyncrawl_ledger (
     sent bigint NOT NULL DEFAULT 0, billable bigint NOT NULL DEFAULT 0,
     PRIMARY KEY (job, day, endpoint, run)
 );
+CREATE TABLE IF NOT EXISTS asyncrawl_key_ledger (
+    job text NOT NULL, day text NOT NULL, key text NOT NULL, run bigint NOT NULL,
+    sent bigint NOT NULL DEFAULT 0, billable bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (job, day, key, run)
+);
 CREATE OR REPLACE VIEW asyncrawl_results AS
     SELECT job, id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status,
            error, fetched_at, convert_from(data, 'UTF8') AS data
@@ -138,6 +145,13 @@ VALUES (%s, %s, %s, %s, %s, %s)
 ON CONFLICT (job, day, endpoint, run) DO UPDATE SET
     sent = asyncrawl_ledger.sent + excluded.sent,
     billable = asyncrawl_ledger.billable + excluded.billable
+"""
+ADD_KEY_LEDGER = """
+INSERT INTO asyncrawl_key_ledger (job, day, key, run, sent, billable)
+VALUES (%s, %s, %s, %s, %s, %s)
+ON CONFLICT (job, day, key, run) DO UPDATE SET
+    sent = asyncrawl_key_ledger.sent + excluded.sent,
+    billable = asyncrawl_key_ledger.billable + excluded.billable
 """
 
 
@@ -238,6 +252,7 @@ class PgStore:
 
     def _schema_exists(self) -> bool:
         names = ["asyncrawl_jobs", "asyncrawl_runs", "asyncrawl_items", "asyncrawl_ledger",
+                 "asyncrawl_key_ledger",
                  "asyncrawl_items_open", "asyncrawl_items_state", "asyncrawl_items_doubt",
                  "asyncrawl_runs_job", "asyncrawl_results"]
         row = self._conns["control"].execute(
@@ -506,6 +521,7 @@ class PgStore:
         sent: list[str] = []
         outcomes: list[Record] = []
         ledger: Counter[tuple[str, str]] = Counter()
+        keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         for rec in records:
             kind = rec.kind
             days = int(rec.ts // 86400)
@@ -515,6 +531,8 @@ class PgStore:
             if kind == "sent":
                 sent.append(rec.id or "")
                 ledger[(day, "sent")] += 1
+                if rec.key is not None:
+                    keys[(day, rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
                 outcomes.append(rec)
             elif kind == "billed":
@@ -531,10 +549,15 @@ class PgStore:
                 sent, outcomes = [], []
             if rec.paid:
                 ledger[(day, "billable")] += rec.paid
+                for key, n in rec.paid_keys().items():
+                    keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
         for (day, what), n in sorted(ledger.items()):
             db.execute(ADD_LEDGER, (self.job_name, day, self._endpoint, self._run,
                                     n if what == "sent" else 0, n if what == "billable" else 0))
+        for (day, key, what), n in sorted(keys.items()):
+            db.execute(ADD_KEY_LEDGER, (self.job_name, day, key, self._run,
+                                        n if what == "sent" else 0, n if what == "billable" else 0))
 
     def _flush(self, sent: list[str], outcomes: list[Record]) -> None:
         db = self._conns["writer"]
@@ -579,6 +602,11 @@ class PgStore:
                 sent += n_sent
                 if n_billable:
                     ledger.append((day, endpoint, int(n_billable)))
+            keys: tuple[tuple[str, str, int, int], ...] = ()
+            if db.execute("SELECT to_regclass('asyncrawl_key_ledger')").fetchone()[0]:
+                keys = tuple((day, key, int(a), int(b)) for day, key, a, b in db.execute(
+                    "SELECT day, key, sum(sent), sum(billable) FROM asyncrawl_key_ledger "
+                    "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)))
             doubt = dict(db.execute("SELECT doubt, count(*) FROM asyncrawl_items WHERE job = %s "
                                     "AND doubt IS NOT NULL GROUP BY doubt",
                                     (self.job_name,)).fetchall())
@@ -598,7 +626,7 @@ class PgStore:
                         in_doubt=doubt.get(0, 0) + (open_sent if not live else 0),
                         billed_twice=doubt.get(1, 0), in_flight=open_sent if live else 0,
                         runs=runs, halt=halt, job=self.job, running=live or None,
-                        ledger=tuple(ledger))
+                        ledger=tuple(ledger), keys=keys)
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = list(EXPORT_STATES[outcome])
@@ -611,7 +639,7 @@ class PgStore:
                 yield tuple.__new__(Record, (
                     "failed" if state == "perm" else state, item, status, error,
                     state == "perm", None, pass_no or 1, tries or 0, paid, ts or 0.0, None,
-                    bytes(data) if data is not None else None))
+                    bytes(data) if data is not None else None, None))
 
     def ids(self, outcome: str) -> Iterator[list[str]]:
         want = list(EXPORT_STATES[outcome])

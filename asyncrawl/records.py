@@ -54,6 +54,7 @@ class _RecordFields(NamedTuple):
     ts: float
     extra: dict[str, Any] | None
     raw: bytes | None
+    key: str | None
 
 
 _KEYS = frozenset({"k", "id", "s", "e", "perm", "p", "n", "paid", "ts", "data"})
@@ -71,21 +72,34 @@ class Record(_RecordFields):
     def __new__(cls, kind: str, id: str | None = None, *, status: int | None = None,
                 error: str | None = None, permanent: bool = False, data: Any = None,
                 pass_no: int = 1, tries: int = 0, paid: int = 0, ts: float | None = None,
-                extra: dict[str, Any] | None = None, raw: bytes | None = None) -> Record:
+                extra: dict[str, Any] | None = None, raw: bytes | None = None,
+                key: str | None = None) -> Record:
         return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
-                                   paid, time.time() if ts is None else ts, extra, raw))
+                                   paid, time.time() if ts is None else ts, extra, raw, key))
 
     @classmethod
     def outcome(cls, kind: str, id: str, status: int | None, error: str | None, permanent: bool,
-                data: Any, pass_no: int, tries: int, paid: int, raw: bytes | None) -> Record:
-        """An outcome record, made without keyword handling (two records per request)."""
+                data: Any, pass_no: int, tries: int, paid: int, raw: bytes | None,
+                key: str | None = None, paid_by: dict[str, int] | None = None) -> Record:
+        """An outcome record, made without keyword handling (two records per request).
+        ``key``: the fingerprint of the API key its paid calls went out with (``[request]
+        keys``), or ``paid_by``: fingerprint -> paid calls, when they went out with several."""
         return tuple.__new__(cls, (kind, id, status, error, permanent, data, pass_no, tries,
-                                   paid, time.time(), None, raw))
+                                   paid, time.time(), {"paid_by": paid_by} if paid_by else None,
+                                   raw, key))
 
     @classmethod
-    def sent(cls, id: str) -> Record:
-        """The record that a request for ``id`` is about to leave."""
-        return cls.outcome("sent", id, None, None, False, None, 1, 0, 0, None)
+    def sent(cls, id: str, key: str | None = None) -> Record:
+        """The record that a request for ``id`` is about to leave (with the API key of
+        fingerprint ``key``, when there are ``[request] keys``)."""
+        return tuple.__new__(cls, ("sent", id, None, None, False, None, 1, 0, 0, time.time(),
+                                   None, None, key))
+
+    def paid_keys(self) -> dict[str, int]:
+        """The record's paid calls by API key fingerprint (empty without ``[request] keys``)."""
+        if self.extra and "paid_by" in self.extra:
+            return dict(self.extra["paid_by"])
+        return {self.key: self.paid} if self.key and self.paid else {}
 
     @property
     def state(self) -> str:
@@ -147,7 +161,7 @@ class Record(_RecordFields):
         return tuple.__new__(cls, (obj["k"], obj.get("id"), obj.get("s"), obj.get("e"),
                                    bool(obj.get("perm")), obj.get("data"), obj.get("p", 1),
                                    obj.get("n", 0), obj.get("paid", 0), obj.get("ts", 0.0),
-                                   extra, None))
+                                   extra, None, None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +193,8 @@ class Snapshot:
     job: dict[str, Any] | None  # the job's identity (method, url, params) per its last run
     running: int | None  # pid of the run holding the state now (0: unknown pid), or None
     ledger: tuple[tuple[str, str, int], ...] = ()  # (UTC date, endpoint, billable) as recorded
+    # (UTC date, API key fingerprint, sent, billable): calls per key ([request] keys)
+    keys: tuple[tuple[str, str, int, int], ...] = ()
 
     @property
     def billable_by_day(self) -> dict[str, int]:

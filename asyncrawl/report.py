@@ -55,6 +55,9 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         if price is not None:
             row["cost"] = round(n * price, 6)
         ledger.append(row)
+    # calls per API key ([request] keys), by the key's fingerprint
+    keys = [{"date": day, "key": key, "sent": n_sent, "billable": n_billable}
+            for day, key, n_sent, n_billable in snap.keys]
     halt = None
     if snap.halt is not None:
         halt = {"status": snap.halt.status, "message": config.redact(snap.halt.message),
@@ -66,6 +69,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         "billable": billable,
         "billable_by_date": dict(snap.billable_by_day),
         "ledger": ledger,
+        "keys": keys,
         "requests_sent": snap.sent,
         "not_billed": max(0, snap.sent - billable - doubt) if snap.sent else None,
         "in_doubt": snap.in_doubt,
@@ -100,6 +104,9 @@ def status_text(s: dict[str, Any]) -> str:
         where = row["endpoint"] or "(endpoint: pass -c CONFIG)"
         cost = f" = {row['cost']:,.4f}{cur}" if "cost" in row else ""
         lines.append(f"  {row['date']} UTC  {where}  {row['billable']:,}{cost}")
+    for row in s.get("keys", ()):
+        lines.append(f"  {row['date']} UTC  key {row['key']}  {row['billable']:,} billable of "
+                     f"{row['sent']:,} calls sent")
     if s["not_billed"] is not None:
         lines.append(f"not billed   {s['not_billed']:,} calls  (error answers, timeouts, dropped "
                      f"connections; {s['requests_sent']:,} calls sent in all)")

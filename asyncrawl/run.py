@@ -36,7 +36,7 @@ import aiohttp
 
 from ._version import __version__
 from .alerts import send_alerts
-from .config import Config
+from .config import Config, key_fingerprint
 from .errors import JobMismatch, StorageError
 from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request
 from .governor import Breaker, Budget, Governor
@@ -48,7 +48,7 @@ from .records import SETTLED, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
-from .worker import Ledger, Stop, Worker, outcome_record
+from .worker import Ledger, Stop, Worker, outcome_record, paid_keys
 from .writer import Writer
 
 log = logging.getLogger("asyncrawl")
@@ -93,6 +93,9 @@ class Run:
         self.resumed = False  # read an unchanged IDs file on from the state's frontier
         self._answered = False
         self._incurable = collections.Counter[ErrorKind]()
+        self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
+        self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
+        self._session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -109,6 +112,27 @@ class Run:
             return
         name = signal_mod.Signals(signum).name if signum else reason
         self.stop.set(Halt(reason, None, f"stopped by {name}", signum))
+
+    def _key_retired(self, lane: int, attempt: Attempt, left: int) -> None:
+        """The API key of ``lane`` was refused (401/402): log it and alert, unless it was the
+        last one (then the job halts, and the halt's alert says so)."""
+        cfg = self.config
+        fp = key_fingerprint(cfg.keys[lane])
+        self.retired_keys.append(fp)
+        message = cfg.redact(f"API key #{lane + 1} ({fp}) refused with "
+                             f"{attempt.error or attempt.status}: retired, {left} of "
+                             f"{len(cfg.keys)} keys left")
+        log.warning("%s", message)
+        if left and self._session is not None:
+            halt = Halt("key_retired", attempt.status, message)
+            t = self.tally
+            summary = Summary(ok=t.ok, failed=t.failed, unavailable=t.unavailable, pending=0,
+                              fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
+                              retries=t.retries, requests=t.requests, billable=t.billable,
+                              halt=None, elapsed=time.monotonic() - self.meter.started,
+                              state_dir=cfg.state_shown)
+            self._alerts.append(asyncio.create_task(
+                send_alerts(cfg, halt, summary, self._session), name="asyncrawl-alert"))
 
     def _cancelled(self) -> None:
         if not self.stop.is_set():
@@ -167,6 +191,7 @@ class Run:
             if job is not None:
                 await job.close()
             await self._close(writer, writer_task, ticker, error)
+            await asyncio.gather(*self._alerts)  # (they log their own failures)
         summary = await self._summary(store)
         halt = self.stop.halt
         if job is not None and job.heartbeat.halted_elsewhere:
@@ -184,9 +209,11 @@ class Run:
         """Pass 1, then, after the cool-down, pass 2 over what failed: this run's failures, or
         (``second``: a shared job's) the job's, if ``second_left()`` says there are any."""
         cfg, hooks = self.config, self.hooks
+        self._session = session
         self.governor = Governor(
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
-            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None)
+            breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None,
+            keys=len(cfg.keys) or 1)
         budget = Budget(cfg.request_budget)
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe)
@@ -341,7 +368,7 @@ class Run:
         workers = self._workers = Worker(
             config=cfg, pass_no=pass_no, queue=queue, parking=parking, ledger=ledger,
             governor=gov, budget=budget, fetcher=fetcher, sink=writer, stop=self.stop,
-            keep_data=self.hooks.on_result is not None)
+            keep_data=self.hooks.on_result is not None, on_retire=self._key_retired)
         gov.unsent = ledger.unsent_left
         died = asyncio.Event()  # a task died: wake the pass so that the error surfaces
 
@@ -369,7 +396,9 @@ class Run:
             self.cut_off |= workers.flying
             for item in workers.unsettled():
                 if item.paid:  # billed answers (e.g. a 2xx that did not parse) of an unsettled ID
-                    writer.put(Record("billed", item.id, paid=item.paid))
+                    key, by = paid_keys(item)
+                    writer.put(Record("billed", item.id, paid=item.paid, key=key,
+                                      extra={"paid_by": by} if by else None))
         for t in tasks:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:

@@ -22,6 +22,8 @@ Tables (``records.py`` says what each record means)::
         doubt and fetched ok since: possibly billed twice)
     runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
     ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
+    key_ledger(day, key, sent, billable)    calls by UTC date and API key fingerprint
+                                            (``[request] keys``; never the key)
     tally(state, n)                         IDs by state, kept by triggers: counts in O(1)
     meta(key, value)                        the job's identity ("job"); its IDs file ("source":
                                             path, size, mtime, inode, lines; or "mixed") and
@@ -63,7 +65,14 @@ from .types import Halt
 log = logging.getLogger("asyncrawl")
 
 DB = "state.db"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: key_ledger
+# what a database of an earlier version needs, from the writer's first open ({from: script})
+MIGRATIONS = {1: """
+CREATE TABLE key_ledger (
+    day TEXT NOT NULL, key TEXT NOT NULL, sent INTEGER NOT NULL DEFAULT 0,
+    billable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key)
+) WITHOUT ROWID;
+"""}
 CHUNK = 900  # IDs per lookup statement
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
@@ -93,6 +102,10 @@ CREATE TABLE runs (
 CREATE TABLE ledger (
     day TEXT NOT NULL, endpoint TEXT NOT NULL, sent INTEGER NOT NULL DEFAULT 0,
     billable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, endpoint)
+) WITHOUT ROWID;
+CREATE TABLE key_ledger (
+    day TEXT NOT NULL, key TEXT NOT NULL, sent INTEGER NOT NULL DEFAULT 0,
+    billable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key)
 ) WITHOUT ROWID;
 CREATE TABLE tally (state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 INSERT INTO tally VALUES ('ok', 0), ('failed', 0), ('perm', 0), ('unavailable', 0);
@@ -131,6 +144,11 @@ UPSERT_SENT = """
 INSERT INTO items (id, sent_run, sends) VALUES {values}
 ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
 """
+ADD_KEY_LEDGER = """
+INSERT INTO key_ledger (day, key, sent, billable) VALUES {values}
+ON CONFLICT (day, key) DO UPDATE SET
+    sent = sent + excluded.sent, billable = billable + excluded.billable
+"""
 ADD_LEDGER = """
 INSERT INTO ledger (day, endpoint, sent, billable) VALUES {values}
 ON CONFLICT (day, endpoint) DO UPDATE SET
@@ -167,6 +185,8 @@ class SqliteStore:
         self._dead = False
         self._frontier_ok = False  # the run reads the job's one IDs file: keep its frontier
         self._day = (-1, "")  # (days since the epoch, UTC date) of the last record applied
+        with self._reading():
+            self._version = db.execute("PRAGMA user_version").fetchone()[0]
         self.job: dict[str, Any] | None = self._meta_json("job")
 
     def __repr__(self) -> str:
@@ -387,6 +407,8 @@ class SqliteStore:
             if kind == "sent":
                 groups.sent.append((rec.id, self._run, 1))
                 groups.ledger[(day[1], self._endpoint, "sent")] += 1
+                if rec.key is not None:
+                    groups.keys[(day[1], rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
                 groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
                                         rec.tries, rec.paid, rec.ts,
@@ -401,6 +423,9 @@ class SqliteStore:
                 groups.last.append(rec)
             if rec.paid:
                 groups.ledger[(day[1], self._endpoint, "billable")] += rec.paid
+                if rec.key is not None or rec.extra:
+                    for key, n in rec.paid_keys().items():
+                        groups.keys[(day[1], key, "billable")] += n
         self._flush(groups)
 
     def _flush(self, g: _Groups) -> None:
@@ -416,6 +441,10 @@ class SqliteStore:
             _many(self._db, ADD_LEDGER, [(day, ep, n if what == "sent" else 0,
                                           n if what == "billable" else 0)
                                          for (day, ep, what), n in g.ledger.items()])
+        if g.keys:
+            _many(self._db, ADD_KEY_LEDGER, [(day, key, n if what == "sent" else 0,
+                                              n if what == "billable" else 0)
+                                             for (day, key, what), n in g.keys.items()])
         for rec in g.last:
             self._end_run(rec)
 
@@ -481,6 +510,10 @@ class SqliteStore:
                 sent += n_sent
                 if n_billable:
                     ledger.append((day, endpoint, n_billable))
+            keys = ()
+            if self._version >= 2:
+                keys = tuple(db.execute("SELECT day, key, sent, billable FROM key_ledger "
+                                        "ORDER BY day, key"))
             doubt = dict(db.execute("SELECT doubt, count(*) FROM items WHERE doubt IS NOT NULL "
                                     "GROUP BY doubt"))
             open_sent = db.execute(f"SELECT count(*) FROM items WHERE {OPEN} AND sent_run "
@@ -495,7 +528,7 @@ class SqliteStore:
         return Snapshot(counts=counts, sent=sent, in_doubt=in_doubt,
                         billed_twice=doubt.get(1, 0),
                         in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
-                        job=self.job, running=running, ledger=tuple(ledger))
+                        job=self.job, running=running, ledger=tuple(ledger), keys=keys)
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = EXPORT_STATES[outcome]
@@ -507,7 +540,7 @@ class SqliteStore:
             for item, state, status, error, pass_no, tries, paid, ts, data in rows:
                 yield make(Record, ("failed" if state == "perm" else state, item, status, error,
                                     state == "perm", None, pass_no or 1, tries or 0, paid,
-                                    ts or 0.0, None, data))
+                                    ts or 0.0, None, data, None))
 
     def ids(self, outcome: str) -> Iterator[list[str]]:
         """The IDs of ``records(outcome)``, in the same order, a block at a time."""
@@ -630,13 +663,14 @@ def _build_from_journal(journal: Path, path: Path) -> int:
 class _Groups:
     """A batch's records by kind, as statement parameters (see ``SqliteStore._apply``)."""
 
-    __slots__ = ("billed", "last", "ledger", "outcomes", "sent")
+    __slots__ = ("billed", "keys", "last", "ledger", "outcomes", "sent")
 
     def __init__(self) -> None:
         self.sent: list[tuple[str | None, int | None, int]] = []
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
         self.ledger: Counter[tuple[str, str, str]] = Counter()
+        self.keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         self.last: list[Record] = []  # halt, end
 
 
@@ -676,7 +710,7 @@ def _connect(path: Path) -> sqlite3.Connection:
 
 
 def _check_version(version: int, path: Path) -> None:
-    if version != SCHEMA_VERSION:
+    if version not in (SCHEMA_VERSION, *MIGRATIONS):
         raise StorageError(
             f"the state database has schema version {version}, written by an incompatible "
             f"asyncrawl version (this one uses {SCHEMA_VERSION}); use a new state directory or "
@@ -690,6 +724,12 @@ def _ensure_schema(db: sqlite3.Connection, path: Path) -> None:
                          "COMMIT;")
         return
     _check_version(version, path)
+    while version in MIGRATIONS:  # a database of an earlier release, brought up to date
+        db.executescript(f"BEGIN IMMEDIATE;{MIGRATIONS[version]}"
+                         f"PRAGMA user_version = {version + 1};COMMIT;")
+        log.info("upgraded the state database %s from schema version %s to %s", path,
+                 version, version + 1)
+        version += 1
 
 
 __all__ = ["DB", "SqliteStore"]

@@ -4,7 +4,8 @@ What an attempt leads to is a value, ``decide(...) -> Verdict``, which the loop 
 
     OK     -> SETTLE "ok"
     FATAL  -> HALT: the job's stop switch is set (no new request starts anywhere); the ID stays
-              unsettled
+              unsettled. With several API keys: the key is retired and the ID tried again with
+              another one (PARK, not charged); HALT once no key is left
     SKIP   -> SETTLE "failed" (permanent) in pass 1, "unavailable" in pass 2
     RETRY  -> PARK for retry_delay(...) while tries < max_tries, else SETTLE like SKIP (not
               permanent); a paid (2xx) answer that did not parse: SETTLE once it was bought
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
-from .config import Config
+from .config import Config, key_fingerprint
 from .fetch import Attempt, Fetcher, Outcome
 from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
@@ -191,8 +192,20 @@ def outcome_record(item: Item, attempt: Attempt, kind: str, *, permanent: bool, 
     parsed payload rides along only for the ``on_result`` hook (``keep_data``)."""
     body = attempt.body
     data = attempt.data if keep_data or body is None else None
+    key, paid_by = paid_keys(item)
     return Record.outcome(kind, item.id, attempt.status, error or attempt.error, permanent, data,
-                          pass_no, item.tries, item.paid, body)
+                          pass_no, item.tries, item.paid, body, key, paid_by)
+
+
+def paid_keys(item: Item) -> tuple[str | None, dict[str, int] | None]:
+    """The API key (fingerprint) that ``item``'s paid answers came with, or, if they came with
+    several, how many with each (``Record.outcome``'s ``key`` and ``paid_by``)."""
+    by = item.paid_by
+    if not by:
+        return None, None
+    if len(by) == 1:
+        return next(iter(by)), None
+    return None, dict(by)
 
 
 class Worker:
@@ -200,7 +213,8 @@ class Worker:
 
     def __init__(self, *, config: Config, pass_no: int, queue: IdQueue, parking: Parking,
                  ledger: Ledger, governor: Governor, budget: Budget, fetcher: Fetcher,
-                 sink: Sink, stop: Stop, keep_data: bool) -> None:
+                 sink: Sink, stop: Stop, keep_data: bool,
+                 on_retire: Callable[[int, Attempt, int], None] | None = None) -> None:
         self.config = config
         self.pass_no = pass_no
         self.queue = queue
@@ -212,6 +226,9 @@ class Worker:
         self.sink = sink
         self.stop = stop
         self.keep_data = keep_data
+        # [request] keys: their fingerprints (the ledger's), and who hears of a retired key
+        self.fingerprints = [key_fingerprint(k) for k in config.keys] or [None]
+        self.on_retire = on_retire
         self.in_flight = 0
         self.flying: set[str] = set()  # IDs whose request is out; left here if cut off
         self.held: dict[int, Item] = {}  # items a worker has taken and not yet passed on
@@ -236,10 +253,12 @@ class Worker:
                 return
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.
-            if stop.is_set() or not await self.sink.commit(Record.sent(item.id)) or stop.is_set():
+            lane = ticket.lane
+            sent = Record.sent(item.id, self.fingerprints[lane])
+            if stop.is_set() or not await self.sink.commit(sent) or stop.is_set():
                 budget.release(False)  # no await between the last check and the send
                 return
-            attempt = await self._send(item)
+            attempt = await self._send(item, lane)
             del held[id(item)]  # no await from here on: it is parked or settled below
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY
@@ -257,12 +276,27 @@ class Worker:
                             and self.pass_no == 1 and not item.suspect)
             # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
             outage = down and gov.breaker_open and not ticket.probe
-            self.act(item, attempt, decide(item, attempt, self.config, self.pass_no,
-                                           outage=outage))
+            verdict = decide(item, attempt, self.config, self.pass_no, outage=outage)
+            if verdict.action is Action.HALT and self._retire(lane, attempt):
+                verdict = Verdict(Action.PARK, charged=False)  # again, with another key
+            self.act(item, attempt, verdict, lane)
             if budget.exhausted:
                 stop.set(self._budget_halt())
 
-    async def _send(self, item: Item) -> Attempt:
+    def _retire(self, lane: int, attempt: Attempt) -> bool:
+        """A fatal answer with the key of ``lane``: with several keys, that key is retired;
+        ``True`` while another key is left to go on with."""
+        gov = self.governor
+        if len(gov.lanes) == 1:
+            return False
+        if gov.lanes[lane].retired:  # refused again, by a request already out with it
+            return bool(gov.live)
+        left = gov.retire(lane)
+        if self.on_retire is not None:
+            self.on_retire(lane, attempt, left)
+        return left > 0
+
+    async def _send(self, item: Item, lane: int = 0) -> Attempt:
         self.in_flight += 1
         if not item.sent and not item.suspect:
             item.sent = True
@@ -270,20 +304,28 @@ class Worker:
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1
-        attempt = await self.fetcher.attempt(item.id)  # never raises but CancelledError
+        attempt = await self.fetcher.attempt(item.id, lane)  # never raises but CancelledError
         self.flying.discard(item.id)
         self.in_flight -= 1
         if self.in_flight == 0:
             self.idle.set()
         return attempt
 
-    def act(self, item: Item, attempt: Attempt, verdict: Verdict) -> None:
+    def act(self, item: Item, attempt: Attempt, verdict: Verdict, lane: int = 0) -> None:
         """Carry out ``verdict`` (no await: nothing else runs in between)."""
         action = verdict.action
-        item.paid += attempt.billable
+        if attempt.billable:
+            item.paid += 1
+            fp = self.fingerprints[lane]
+            if fp is not None:
+                by = item.paid_by
+                if by is None:
+                    by = item.paid_by = {}
+                by[fp] = by.get(fp, 0) + 1
         if action is Action.HALT:
+            every = " (every API key has been refused)" if len(self.governor.lanes) > 1 else ""
             self.stop.set(Halt("fatal", attempt.status, self.config.redact(
-                f"fatal response {attempt.error or attempt.status}")))
+                f"fatal response {attempt.error or attempt.status}{every}")))
             if attempt.billable:  # unsettled but billed: its bill is recorded at the pass's end
                 self.held[id(item)] = item
             return

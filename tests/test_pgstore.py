@@ -57,7 +57,8 @@ def job() -> Iterator[str]:
     import psycopg
 
     with psycopg.connect(PG) as db:
-        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger", "asyncrawl_jobs"):
+        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger", "asyncrawl_key_ledger",
+                      "asyncrawl_jobs"):
             if db.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None:
                 db.execute(f"DELETE FROM {table} WHERE job = %s", (name,))
 

@@ -179,6 +179,8 @@ def walkthrough_ids() -> list[str]:
 def test_readme_examples_run(tmp_path: Path, mock_process: Any,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NOTES_API_KEY", KEY)  # for the config blocks checked in this process
+    for n in (1, 2, 3):  # the several-keys example
+        monkeypatch.setenv(f"NOTES_KEY_{n}", f"{KEY}-{n}")
     faulty = mock_process("--api-key", KEY, "--faults", "demo", "--latency", "0.05")
     clean = mock_process("--api-key", KEY, "--faults", "none")
     work = tmp_path / "work"
