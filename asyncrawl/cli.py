@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ._version import __version__
 from .config import Config, expand_env
@@ -36,6 +37,7 @@ from .store import read_store
 from .types import Progress, Result, Summary
 
 log = logging.getLogger("asyncrawl")
+T = TypeVar("T")
 GC_YOUNG_THRESHOLD = 10_000  # CPython's default is 700
 
 
@@ -53,6 +55,31 @@ def tune_gc() -> None:
     young, *older = gc.get_threshold()
     if gc.isenabled() and 0 < young < GC_YOUNG_THRESHOLD:
         gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
+
+
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` in the event loop of the CLI's crawls (``run``, ``demo``): uvloop's when the
+    ``fast`` extra is installed (``pip install 'asyncrawl[fast]'``), else asyncio's.
+    ``ASYNCRAWL_LOOP=asyncio`` keeps asyncio's; ``=uvloop`` insists on uvloop. The CLI owns its
+    process, so it picks the loop; the library runs in whatever loop the application has."""
+    choice = os.environ.get("ASYNCRAWL_LOOP", "auto").strip().lower() or "auto"
+    if choice not in LOOPS:
+        raise ConfigError(f"ASYNCRAWL_LOOP must be one of {', '.join(LOOPS)}, got {choice!r}")
+    factory = None
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("ASYNCRAWL_LOOP=uvloop needs uvloop: pip install "
+                                  "'asyncrawl[fast]'") from None
+        else:
+            factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -412,9 +439,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
                 parse_address(args.metrics)
                 Metrics.check()
-            summary, errors = asyncio.run(_run(config, ids_path=ids_path, total=total,
-                                               metrics_at=args.metrics,
-                                               progress=not args.no_progress))
+            summary, errors = run_loop(_run(config, ids_path=ids_path, total=total,
+                                            metrics_at=args.metrics,
+                                            progress=not args.no_progress))
         finally:
             if spooled:
                 os.unlink(spooled)
@@ -536,7 +563,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     tune_gc()
     try:
-        summary = asyncio.run(main())
+        summary = run_loop(main())
     finally:
         log.removeHandler(handler)
         handler.close()

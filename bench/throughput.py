@@ -77,6 +77,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 KINDS = ("baseline", "cli", "library")
 NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
+NO_INTENT_CLI = "cli-no-intent"  # the same for ``asyncrawl run``
+FAST = ("cli-uvloop", "baseline-uvloop")  # with the fast extra's loop (``--fast``)
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
 
@@ -154,25 +156,29 @@ async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
     from asyncrawl import Config, Crawler
 
     if not intent:
-        from asyncrawl.records import Record
-        from asyncrawl.writer import Writer
-
-        commit = Writer.commit
-
-        def no_intent(self: Writer, record: Record) -> asyncio.Future[bool]:
-            if record.kind != "sent":
-                return commit(self, record)
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(True)  # as if durable at once: nothing is written
-            return fut
-
-        Writer.commit = no_intent  # type: ignore[method-assign]  # this worker process only
-
+        skip_intents()
     ids = [str(i) for i in range(n)]
     cfg = Config(**bench_config(base, concurrency, state_dir))
     async with Crawler(cfg) as crawler:
         summary = await crawler.run(ids)
     return int(summary.ok)
+
+
+def skip_intents() -> None:
+    """In this worker process only: the durable "sent" record resolves at once, unwritten."""
+    from asyncrawl.records import Record
+    from asyncrawl.writer import Writer
+
+    commit = Writer.commit
+
+    def no_intent(self: Writer, record: Record) -> asyncio.Future[bool]:
+        if record.kind != "sent":
+            return commit(self, record)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(True)  # as if durable at once: nothing is written
+        return fut
+
+    Writer.commit = no_intent  # type: ignore[method-assign]
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -182,19 +188,23 @@ def worker_main(args: argparse.Namespace) -> int:
     import aiohttp  # noqa: F401  -- imports outside the timed section
     import orjson  # noqa: F401
 
-    if args.worker != "baseline":
+    if not args.worker.startswith("baseline"):
         import asyncrawl.cli  # (the cli kind calls it; imported for both asyncrawl kinds)
 
     async def timed() -> tuple[int, float, float]:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        if args.worker == "baseline":
+        if args.worker.startswith("baseline"):
             ok = await run_baseline(args.url, args.requests, args.concurrency)
         else:
             ok = await run_asyncrawl(args.url, args.requests, args.concurrency, args.state_dir,
                                      intent=args.worker != NO_INTENT)
         return ok, time.perf_counter() - t0, time.process_time() - cpu0
 
-    if args.worker == "cli":
+    if args.worker == NO_INTENT_CLI:
+        skip_intents()
+    # the cli kinds: asyncio's loop unless the kind says uvloop (the fast extra's)
+    os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
+    if args.worker in ("cli", NO_INTENT_CLI, "cli-uvloop"):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
         code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
@@ -202,6 +212,11 @@ def worker_main(args: argparse.Namespace) -> int:
         if code != 0:
             print(f"asyncrawl run exited {code}", file=sys.stderr)
         ok = durable_ok(args.state_dir)
+    elif args.worker == "baseline-uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            ok, elapsed, cpu = runner.run(timed())
     else:
         ok, elapsed, cpu = asyncio.run(timed())
     result = {"kind": args.worker, "ok": ok, "elapsed_s": elapsed, "cpu_s": cpu}
@@ -466,8 +481,12 @@ def print_table(runs: list[Run], out: TextIO) -> None:
 
 def driver_main(args: argparse.Namespace) -> int:
     kinds = list(KINDS) if args.only is None else [args.only]
+    if args.kinds:
+        kinds = args.kinds.split(",")
     if args.intent_cost:
-        kinds.append(NO_INTENT)
+        kinds += [NO_INTENT, NO_INTENT_CLI]
+    if args.fast:
+        kinds += list(FAST)
     if args.against:
         kinds += [k + REF for k in kinds if k in ("cli", "library")]
     skipped: str | None = None
@@ -536,6 +555,7 @@ def driver_main(args: argparse.Namespace) -> int:
     rows = [("cli", ratio, "ratio"), ("library", library_ratio, "library ratio")]
     rows += [(k + REF, ratio_of(k + REF), f"{label} of --against")
              for k, _, label in list(rows) if k + REF in medians]
+    rows += [(k, ratio_of(k), f"{k} ratio") for k in FAST if k in medians]
     for kind, value, label in rows:
         if value is not None:
             cpu_ratio = cpu_medians[kind] / cpu_medians["baseline"]
@@ -546,6 +566,9 @@ def driver_main(args: argparse.Namespace) -> int:
     intent_cost = None
     if {"library", NO_INTENT} <= medians.keys():
         intent_cost = 1 - medians["library"] / medians[NO_INTENT]
+        if {"cli", NO_INTENT_CLI} <= medians.keys():
+            print(f"intent cost (cli) = 1 - median(cli) / median({NO_INTENT_CLI}) = "
+                  f"{1 - medians['cli'] / medians[NO_INTENT_CLI]:+.1%}")
         print(f"intent cost = 1 - median(library) / median({NO_INTENT}) = {intent_cost:+.1%} "
               "(negative: faster with it)", file=out)
     for w in warnings:
@@ -581,6 +604,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="runs of each side (3)")
     p.add_argument("--warmup", type=int, default=2_000, help="unreported warm-up requests (2000)")
     p.add_argument("--only", choices=KINDS, help="run one side only")
+    p.add_argument("--kinds", help="the kinds to run, comma-separated (e.g. baseline,cli)")
     p.add_argument("--against", metavar="TREE",
                    help="also run the cli and library kinds from another checkout (with its own "
                         ".venv), in the same rounds: a before/after comparison on one baseline")
@@ -593,7 +617,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print one JSON object with all figures on stdout (report goes to stderr)",
     )
     # internal: run one timed worker in this process
-    p.add_argument("--worker", choices=(*KINDS, NO_INTENT), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*KINDS, NO_INTENT, NO_INTENT_CLI, *FAST),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--fast", action="store_true",
+                   help="also run cli-uvloop and baseline-uvloop (needs asyncrawl[fast])")
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--state-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -918,3 +918,27 @@ def test_error_lines_count_every_attempt_not_every_id(tmp_path: Path, mock_proce
     assert tries == 4 * 3  # max_tries = 3
     assert sum(e["count"] for e in burst) == tries and burst[0]["recorded"] == {"failed": 4}
     assert "HTTP 500 × 12" in r.stdout  # the summary says so too
+
+
+# -- the event loop of the CLI's crawls ----------------------------------------------------
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+@pytest.mark.parametrize(("choice", "want"), [("asyncio", "asyncio"), ("auto", "uvloop"),
+                                              ("uvloop", "uvloop"), ("", "uvloop")])
+def test_the_cli_runs_its_crawls_on_uvloop_when_the_fast_extra_is_installed(
+        monkeypatch: pytest.MonkeyPatch, choice: str, want: str) -> None:
+    from asyncrawl.cli import run_loop
+
+    if want == "uvloop":
+        pytest.importorskip("uvloop", reason="the fast extra is not installed")
+    monkeypatch.setenv("ASYNCRAWL_LOOP", choice)
+    assert run_loop(_loop_module()).split(".")[0] == want
+
+
+def test_a_wrong_loop_choice_is_an_input_error() -> None:
+    r = cli("demo", env={"ASYNCRAWL_LOOP": "twisted"})
+    assert r.returncode == 2 and "ASYNCRAWL_LOOP must be one of auto, asyncio, uvloop" in r.stderr

@@ -73,17 +73,22 @@ def rerun_fetches_nothing_that_succeeded(cfg: Path, mock: Any, durable: set[str]
 # -- pass 1 ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize(("sig", "code"), SIGNALS)
 def test_signal_in_pass_1_lets_requests_in_flight_finish_and_keeps_them(
-        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int, loop: str) -> None:
     """Answers take 1 s, the grace period is 5 s: the requests in flight at the signal finish,
-    are recorded, and are neither in doubt nor fetched again."""
+    are recorded, and are neither in doubt nor fetched again; on either event loop the CLI
+    may run in (asyncio's, or uvloop's with the ``fast`` extra)."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop", reason="the fast extra is not installed")
     mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "1")
     ids = [f"p{i:04d}" for i in range(80)]
     state = tmp_path / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
                        limits={"concurrency": 8}, run={"grace": 5})
-    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress",
+                     env={**ENV, "ASYNCRAWL_LOOP": loop})
     wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) >= 20, proc)
     rc, took, sent_at = signal_and_wait(proc, sig)
     assert rc == code, (tmp_path / "run.err").read_text()

@@ -1,0 +1,121 @@
+"""Latency-bound throughput: a slow API, many requests in flight, the rate out of the way.
+
+What it measures
+----------------
+Against the bundled mock API in a process of its own (``--latency`` seconds added to every
+answer, no faults, no key), ``--ids`` IDs with ``--concurrency`` requests in flight:
+
+* ``baseline``: a bare aiohttp loop (``bench/throughput.py``'s: a queue, N tasks, one session);
+* ``cli``: ``asyncrawl run`` on asyncio's loop (durability and in-doubt on, a fresh state);
+* ``cli-uvloop``: the same on uvloop's loop (the ``fast`` extra), when it is installed.
+
+The ideal is ``concurrency / latency`` requests per second (1,000 at 100 ms and 100 in flight):
+each figure is given as a share of it. The timed section is the crawl (for ``cli``: the whole
+``asyncrawl.cli.main`` call), alternating kinds for ``--rounds`` rounds; the median is quoted.
+
+Usage::
+
+    .venv/bin/python bench/latency.py [--ids 10000] [--latency 0.1] [--concurrency 100]
+        [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+
+
+def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
+    """One timed run in this (fresh) process: requests per second."""
+    if kind == "baseline":
+        sys.path.insert(0, str(BENCH))
+        from throughput import run_baseline
+
+        t0 = time.perf_counter()
+        ok = asyncio.run(run_baseline(url, n, concurrency))
+        elapsed = time.perf_counter() - t0
+    else:
+        import asyncrawl.cli
+
+        os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
+        ids = work / "ids.txt"
+        ids.write_text("".join(f"{i}\n" for i in range(n)))
+        cfg = work / "latency.toml"
+        cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{url}/items/{{id}}"\n'
+                       f"[limits]\nconcurrency = {concurrency}\nrate = 1000000\nburst = 100000\n"
+                       f'[passes]\ncooldown = 0\n[state]\ndir = "{work / "state"}"\n')
+        t0 = time.perf_counter()
+        code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
+        elapsed = time.perf_counter() - t0
+        from asyncrawl.store import read_store
+
+        ok = read_store(work / "state").snapshot().counts.ok if code == 0 else 0
+    if ok != n:
+        raise SystemExit(f"{kind}: {ok} of {n} ok")
+    return n / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ids", type=int, default=10_000)
+    ap.add_argument("--latency", type=float, default=0.1)
+    ap.add_argument("--concurrency", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps({"rps": worker(args.worker, args.url, args.ids, args.concurrency,
+                                        Path(args.work))}))
+        return 0
+    from asyncrawl.testing import MockProcess
+
+    kinds = ["baseline", "cli"]
+    try:
+        import uvloop  # noqa: F401
+
+        kinds.append("cli-uvloop")
+    except ImportError:
+        print("uvloop not installed (pip install 'asyncrawl[fast]'): no cli-uvloop",
+              file=sys.stderr)
+    ideal = args.concurrency / args.latency
+    got: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="latency-") as tmp, \
+            MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
+                        str(args.latency)) as api:
+        for rnd in range(1, args.rounds + 1):
+            for kind in kinds:
+                work = Path(tempfile.mkdtemp(dir=tmp))
+                out = subprocess.run(
+                    [sys.executable, __file__, "--worker", kind, "--url", api.url, "--ids",
+                     str(args.ids), "--concurrency", str(args.concurrency), "--work", str(work)],
+                    capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{kind} failed:\n{out.stdout}\n{out.stderr}")
+                rps = json.loads(out.stdout.strip().splitlines()[-1])["rps"]
+                got[kind].append(rps)
+                print(f"  round {rnd} {kind:<11} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal",
+                      file=sys.stderr)
+                (Path(tmp) / "mock.log").write_text("")  # the log is not what is measured
+    print(f"{args.ids} IDs, latency {args.latency * 1000:g} ms, concurrency {args.concurrency}: "
+          f"ideal {ideal:,.0f} req/s")
+    for kind in kinds:
+        med = statistics.median(got[kind])
+        print(f"median {kind:<11} {med:7.0f} req/s   {med / ideal:.1%} of ideal")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""How fast the commands that send nothing start: ``asyncrawl --help`` and ``asyncrawl status``.
+
+For each command: the median wall time of ``--runs`` runs of the installed console script (a
+fresh interpreter each time, as a user's shell starts it), and, from one run under
+``python -X importtime``, the cumulative import time of the package and whether aiohttp was
+imported at all (it must not be: those commands send no request). ``status`` reads a small
+state made first by a crawl of the bundled mock API.
+
+Usage::
+
+    .venv/bin/python bench/startup.py [--runs 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def script() -> str:
+    return str(Path(sys.executable).parent / "asyncrawl")
+
+
+def make_state(state: Path) -> None:
+    from asyncrawl import Config, Crawler
+    from asyncrawl.testing import MockAPI
+
+    async def crawl() -> None:
+        async with MockAPI(faults=None, api_key=None) as api:
+            cfg = Config(url=api.item_url, state_dir=str(state), rate=1000.0, cooldown=0.0)
+            async with Crawler(cfg) as c:
+                await c.run([str(i) for i in range(200)])
+
+    asyncio.run(crawl())
+
+
+def imports(args: list[str]) -> tuple[float, bool]:
+    """(seconds importing asyncrawl and what it pulls in, whether aiohttp was imported)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "asyncrawl", *args],
+                          capture_output=True, text=True)
+    total, aiohttp = 0, False
+    for line in proc.stderr.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        _, cumulative, name = (part.strip() for part in line.split("|"))
+        if name == "asyncrawl" or name == "asyncrawl.__main__":
+            total = max(total, int(cumulative))
+        if name == "aiohttp":
+            aiohttp = True
+    return total / 1e6, aiohttp
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="startup-") as tmp:
+        state = Path(tmp) / "state"
+        make_state(state)
+        commands = {"--help": ["--help"], "status": ["status", "--state", str(state)]}
+        print(f"{'command':<10} {'median wall':>12} {'imports':>9}  aiohttp imported")
+        for name, argv in commands.items():
+            times = []
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                subprocess.run([script(), *argv], capture_output=True, check=True)
+                times.append(time.perf_counter() - t0)
+            imp, aiohttp = imports(argv)
+            print(f"{name:<10} {statistics.median(times) * 1000:9.0f} ms {imp * 1000:6.0f} ms  "
+                  f"{'YES' if aiohttp else 'no'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
