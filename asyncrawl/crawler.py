@@ -127,7 +127,7 @@ class Crawler:
         source = ids if isinstance(ids, IdsFile) else id_chunks(ids)
         store = await open_store(cfg.state, cfg.job, lease=cfg.lease)
         try:
-            check_job(cfg, store.job)
+            check_job(cfg, await store.claim_identity(cfg.job_identity()))
             session, own = self._session, None
             if session is None:
                 session = own = new_session(cfg)

@@ -45,6 +45,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
+COMMIT_TRIES = 3  # a commit that PostgreSQL rolls back (deadlock, serialization) is redone
 LIVE = 3.0  # a run whose heartbeat is older than this is not counted as working
 # The IDs of each pass of a generation: pass 1 those without an outcome and those that failed in
 # an earlier generation; pass 2 those that failed in pass 1 of this one.
@@ -269,6 +271,30 @@ class PgStore:
         with db.transaction():
             db.execute("SELECT pg_advisory_xact_lock(hashtext('asyncrawl schema'))")
             db.execute(SCHEMA)
+
+    async def claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None:
+        """The job's identity as recorded, and ``identity`` recorded if there was none, in one
+        statement: of two first runs with different configs, the second sees the first's."""
+        return await asyncio.to_thread(self._claim_identity, identity)
+
+    def _claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None:
+        with self._db("control", "read the job") as db:
+            before = db.execute(
+                "WITH old AS (SELECT identity FROM asyncrawl_jobs WHERE job = %s), "
+                "ins AS (INSERT INTO asyncrawl_jobs (job, identity) VALUES (%s, %s) "
+                "ON CONFLICT (job) DO UPDATE SET identity = excluded.identity "
+                "WHERE asyncrawl_jobs.identity IS NULL RETURNING 1) "
+                "SELECT (SELECT identity FROM old), (SELECT count(*) FROM ins)",
+                (self.job_name, self.job_name, _jsonb(identity))).fetchone()
+        old, inserted = before
+        if inserted:
+            return None  # this run's identity is the job's now
+        # not inserted: the job has an identity; the CTE's snapshot may predate a concurrent
+        # claim, so read it again
+        with self._db("control", "read the job") as db:
+            row = db.execute("SELECT identity FROM asyncrawl_jobs WHERE job = %s",
+                             (self.job_name,)).fetchone()
+        return row[0] if row else old
 
     def _identity(self) -> dict[str, Any] | None:
         row = self._conns["control"].execute(
@@ -509,12 +535,20 @@ class PgStore:
                                path=safe_url(self.url))
         psycopg = _psycopg()
         db = self._conns["writer"]
-        try:
-            with self._locks["writer"], db.transaction():
-                self._apply(records)
-        except psycopg.Error as e:
-            self._dead = True
-            raise _storage_error(e, self.url, "write the state database") from None
+        for attempt in range(1, COMMIT_TRIES + 1):
+            try:
+                with self._locks["writer"], db.transaction():
+                    self._apply(records)
+                return
+            except psycopg.Error as e:
+                # a deadlock or serialization failure (SQLSTATE class 40): PostgreSQL rolled the
+                # whole transaction back, so the batch is written again from the start
+                if not (e.sqlstate or "").startswith("40") or attempt == COMMIT_TRIES:
+                    self._dead = True
+                    raise _storage_error(e, self.url, "write the state database") from None
+                log.warning("the state database rolled a commit back (%s, SQLSTATE %s); "
+                            "writing it again", type(e).__name__, e.sqlstate)
+                time.sleep(0.05 * attempt)
 
     def _apply(self, records: Sequence[Record]) -> None:
         db = self._conns["writer"]

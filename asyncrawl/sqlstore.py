@@ -287,6 +287,11 @@ class SqliteStore:
 
     # -- the Store interface: a run's reads ----------------------------------------------------
 
+    async def claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None:
+        """The job's identity (the directory's lock keeps a second run out: nothing to claim;
+        the run's own record sets it)."""
+        return self.job
+
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]:
         return await asyncio.to_thread(self._lookup, list(ids))
 

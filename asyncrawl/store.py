@@ -15,6 +15,8 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``read_store(location)``   open read-only without the lock, for ``status`` / ``export`` /
                            ``--dry-run`` while a run may be going (``ConfigError`` if there is none)
 ``job``                    the job's identity (method, url, params) as its last run recorded it
+``claim_identity(ident)``  the job's identity, ``ident`` recorded if it had none, in one step
+                           (two first runs of a shared job cannot both take it for theirs)
 ``lookup(ids)``            the state (``ok`` | ``failed`` | ``perm`` | ``unavailable``) of those of
                            a chunk of IDs that have one (awaitable: a database answers off the loop)
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
@@ -54,6 +56,8 @@ class Store(Protocol):
 
     location: str
     job: dict[str, Any] | None
+
+    async def claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None: ...
 
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
 

