@@ -207,6 +207,19 @@ class RateController:
         self._paused = 0.0
         self.cuts += 1
 
+    def adopt(self, rate: float, ceiling: float | None, now: float) -> None:
+        """Another process of a shared job cut the job's rate: take ``rate`` (this process's
+        share of it) if lower, and its quota estimate ``ceiling`` (climb slowly near it). Not
+        counted as a cut of this controller's own."""
+        if rate < self.rate:
+            self.rate = max(self.min_rate, rate)
+            self._last_cut = self._last_raise = now
+            self._decide_at = self._since = None
+            self._sent = self._accepted = self._limited = 0
+            self._paused = 0.0
+        if ceiling is not None:
+            self.ceiling = max(ceiling, self.min_rate)
+
     def _maybe_raise(self, now: float) -> None:
         if self.rate >= self.max_rate or self._decide_at is not None:
             self._last_raise = now
@@ -473,6 +486,20 @@ class Governor:
                     lane.controller.on_pause(max(now, self.paused_until, lane.paused_until),
                                              until)
             self.paused_until = until
+
+    @property
+    def cuts(self) -> int:
+        """How often the adaptive rate has cut itself (every key's), this run."""
+        return sum(lane.controller.cuts for lane in self.lanes if lane.controller is not None)
+
+    def adopt_rate(self, rate: float) -> None:
+        """Take ``rate`` (this process's share of a job-wide rate that another process of the
+        job cut to) as the effective rate, if lower: split between the keys like ``rate``."""
+        now = self._loop.time()
+        n = len(self.lanes)
+        for lane in self.lanes:
+            if lane.controller is not None:
+                lane.controller.adopt(rate / n, None, now)
 
     def retire(self, lane: int) -> int:
         """The key of ``lane`` was refused: no request goes out with it again. Returns how many

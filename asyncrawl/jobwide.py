@@ -14,7 +14,11 @@ the job's signals reach this run.
   the run: a halt published by another run stops this one (exit 3, no second alert); a
   pause (429 with Retry-After) seen anywhere holds this run's requests too; this run takes
   ``1 / live runs`` of the job's rate and burst. This run's own fatal halt and pauses are
-  published for the others.
+  published for the others. The adaptive rate and the breaker act job-wide too: a cut of
+  any run's rate (a quota found) is published as the job's rate, and every run takes its
+  share of it; while any run's breaker is open (an outage), that run probes and the others
+  hold their new requests (``BREAKER_HOLD`` seconds, renewed at each of its heartbeats: if it
+  dies, they go on by themselves).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 
 from .errors import StorageError
 from .governor import Governor
-from .pgstore import HEARTBEAT, PgStore
+from .pgstore import BREAKER_HOLD, HEARTBEAT, PgStore
 from .source import IdsFile
 from .types import Halt
 from .worker import Stop
@@ -84,6 +88,9 @@ class Heartbeat:
         self.live = 1
         self._published_halt = False
         self._published_pause = 0.0  # the loop's time until which our pause is published
+        self._published_cuts = 0  # cuts of our adaptive rate published to the job
+        self._seen_cut = 0.0  # when the last cut by another run we took was published
+        self._breaker_published = False
 
     async def run(self) -> None:
         """Until cancelled, or the database fails (then the run stops: exit 5)."""
@@ -112,6 +119,13 @@ class Heartbeat:
         if gov is not None and gov.paused_until > self._published_pause + 0.05:
             self._published_pause = gov.paused_until
             await store.publish_pause(gov.paused_until - now)
+        if gov is not None and gov.cuts > self._published_cuts:
+            # our adaptive rate found the quota: the job's rate is our share times the runs
+            self._published_cuts = gov.cuts
+            await store.publish_rate_cut(gov.effective_rate * gov.runs)
+        if gov is not None and (gov.breaker_open or self._breaker_published):
+            self._breaker_published = gov.breaker_open
+            await store.publish_breaker(BREAKER_HOLD if gov.breaker_open else None)
         signal = await store.heartbeat()
         if signal.halt is not None and not stop.is_set():
             self.halted_elsewhere = True
@@ -126,6 +140,14 @@ class Heartbeat:
                 log.info("%d processes work on the job: this one takes 1/%d of its rate",
                          signal.live, signal.live)
                 gov.share(signal.live)
+            if signal.rate_cut is not None and signal.rate_cut[1] > self._seen_cut:
+                self._seen_cut = signal.rate_cut[1]
+                gov.adopt_rate(signal.rate_cut[0] / signal.live)
+            if signal.hold_for > gov.paused_for + 0.05 and not gov.breaker_open:
+                # another run's breaker is open: it probes, this one waits (not re-published:
+                # a job-wide pause would hold the prober too)
+                gov.pause(signal.hold_for)
+                self._published_pause = max(self._published_pause, gov.paused_until)
 
     async def join(self) -> None:
         """Before the run's first request: take its share of the job's rate, and give the

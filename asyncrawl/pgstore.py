@@ -18,7 +18,8 @@ job together. The job-queue pattern of pgqueuer and procrastinate:
 Durability: each group commit is one transaction (PostgreSQL's ``synchronous_commit = on``: a
 committed transaction is on disk). Tables (created on first use, in the connection's schema)::
 
-    asyncrawl_jobs(job, identity, generation, halt_gen, halt, pause_until)
+    asyncrawl_jobs(job, identity, generation, halt_gen, halt, pause_until, rate_cut,
+                   rate_cut_at, rate_cut_run, breaker_run, breaker_until)
     asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
                    ended, error, halt_reason, halt_status, halt_message)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
@@ -60,6 +61,9 @@ log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
+JOB_COLUMNS = ("rate_cut", "rate_cut_at", "rate_cut_run", "breaker_run", "breaker_until")
+RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
+BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 COMMIT_TRIES = 3  # a commit that PostgreSQL rolls back (deadlock, serialization) is redone
 LIVE = 3.0  # a run whose heartbeat is older than this is not counted as working
 # The IDs of each pass of a generation: pass 1 those without an outcome and those that failed in
@@ -76,6 +80,11 @@ CREATE TABLE IF NOT EXISTS asyncrawl_jobs (
     job text PRIMARY KEY, identity jsonb, generation integer NOT NULL DEFAULT 0,
     halt_gen integer, halt jsonb, pause_until double precision
 );
+ALTER TABLE asyncrawl_jobs ADD COLUMN IF NOT EXISTS rate_cut double precision,
+    ADD COLUMN IF NOT EXISTS rate_cut_at double precision,
+    ADD COLUMN IF NOT EXISTS rate_cut_run bigint,
+    ADD COLUMN IF NOT EXISTS breaker_run bigint,
+    ADD COLUMN IF NOT EXISTS breaker_until double precision;
 CREATE TABLE IF NOT EXISTS asyncrawl_runs (
     run bigserial PRIMARY KEY, job text NOT NULL, generation integer NOT NULL, host text,
     pid integer, version text, started double precision NOT NULL DEFAULT {NOW},
@@ -179,11 +188,14 @@ def safe_url(url: str) -> str:
 @dataclass(frozen=True, slots=True)
 class JobSignal:
     """What a heartbeat learns of the job: a halt published since this run started, a pause
-    (seconds left), and how many runs work on it now (this one included)."""
+    (seconds left), how many runs work on it now (this one included), the latest cut of the
+    job's rate by another run, and whether another run's breaker holds the job."""
 
     halt: Halt | None
     pause_for: float
     live: int
+    rate_cut: tuple[float, float] | None = None  # another run's cut: (job-wide rate, when)
+    hold_for: float = 0.0  # another run's breaker is open: seconds to hold new requests
 
 
 class PgStore:
@@ -241,7 +253,7 @@ class PgStore:
             store = cls(url, job, conns, lease)
             if for_run:
                 store._ensure_schema()
-            elif not store._schema_exists():
+            elif not store._schema_exists(columns=False):
                 raise ConfigError(f"no job {job!r} in {safe_url(url)}: no asyncrawl tables "
                                   "there (check --state / [state] url)")
             store.job = store._identity()
@@ -252,7 +264,14 @@ class PgStore:
             raise _storage_error(e, url, "connect to the state database") from None
         return store
 
-    def _schema_exists(self) -> bool:
+    def _schema_exists(self, *, columns: bool = True) -> bool:
+        """Whether the tables, views and indexes are there (``columns``: and the columns that
+        later releases added; a reader of an older schema does not need them)."""
+        db = self._conns["control"]
+        if columns and db.execute("SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+                      "current_schema() AND table_name = 'asyncrawl_jobs' AND column_name = "
+                      "ANY(%s)", (list(JOB_COLUMNS),)).fetchone()[0] != len(JOB_COLUMNS):
+            return False
         names = ["asyncrawl_jobs", "asyncrawl_runs", "asyncrawl_items", "asyncrawl_ledger",
                  "asyncrawl_key_ledger",
                  "asyncrawl_items_open", "asyncrawl_items_state", "asyncrawl_items_doubt",
@@ -457,16 +476,25 @@ class PgStore:
                 {"lease": self.lease, "job": self.job_name, "run": self._run,
                  "half": self.lease / 2})
             db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW} WHERE run = %s", (self._run,))
-            halt_gen, halt, pause_until, now, live = db.execute(f"""
+            (halt_gen, halt, pause_until, now, live, cut, cut_at, cut_run, breaker_run,
+             breaker_until) = db.execute(f"""
                 SELECT j.halt_gen, j.halt, j.pause_until, {NOW},
                        (SELECT count(*) FROM asyncrawl_runs r WHERE r.job = j.job
-                        AND r.ended IS NULL AND r.heartbeat > {NOW} - %s)
+                        AND r.ended IS NULL AND r.heartbeat > {NOW} - %s),
+                       j.rate_cut, j.rate_cut_at, j.rate_cut_run, j.breaker_run, j.breaker_until
                 FROM asyncrawl_jobs j WHERE j.job = %s""", (LIVE, self.job_name)).fetchone()
         h = None
         if halt_gen == self._gen and halt and halt.get("run") != self._run \
                 and halt.get("at", 0.0) >= self._started:
             h = Halt(halt.get("reason", "fatal"), halt.get("status"), halt.get("message", ""))
-        return JobSignal(h, max(0.0, (pause_until or 0.0) - now), max(1, int(live)))
+        rate_cut = None
+        if cut is not None and cut_run != self._run and cut_at >= self._started - RECENT_CUT:
+            rate_cut = (float(cut), float(cut_at))
+        hold = 0.0
+        if breaker_run is not None and breaker_run != self._run:
+            hold = max(0.0, (breaker_until or 0.0) - now)
+        return JobSignal(h, max(0.0, (pause_until or 0.0) - now), max(1, int(live)), rate_cut,
+                         hold)
 
     async def publish_halt(self, halt: Halt) -> bool:
         """Halt every run of this generation of the job (they see it at their next
@@ -489,6 +517,31 @@ class PgStore:
                 db.execute(f"UPDATE asyncrawl_jobs SET pause_until = greatest(coalesce("
                            f"pause_until, 0), {NOW} + %s) WHERE job = %s",
                            (seconds, self.job_name))
+        await asyncio.to_thread(go)
+
+    async def publish_rate_cut(self, rate: float) -> None:
+        """This run's adaptive rate cut the job's to ``rate`` (req/s, all runs together): every
+        run takes its share of it at its next heartbeat."""
+        def go() -> None:
+            with self._db("control", "publish the rate") as db:
+                db.execute(f"UPDATE asyncrawl_jobs SET rate_cut = %s, rate_cut_at = {NOW}, "
+                           "rate_cut_run = %s WHERE job = %s", (rate, self._run, self.job_name))
+        await asyncio.to_thread(go)
+
+    async def publish_breaker(self, hold: float | None) -> None:
+        """This run's breaker is open: the other runs hold their new requests for ``hold``
+        seconds (renewed at every heartbeat while it stays open), while this run probes; a
+        breaker another run holds is left alone. ``None``: it closed."""
+        def go() -> None:
+            with self._db("control", "publish the breaker") as db:
+                if hold is None:
+                    db.execute("UPDATE asyncrawl_jobs SET breaker_run = NULL WHERE job = %s "
+                               "AND breaker_run = %s", (self.job_name, self._run))
+                    return
+                db.execute(f"UPDATE asyncrawl_jobs SET breaker_run = %s, breaker_until = {NOW} "
+                           f"+ %s WHERE job = %s AND (breaker_run IS NULL OR breaker_run = %s "
+                           f"OR breaker_until < {NOW})",
+                           (self._run, hold, self.job_name, self._run))
         await asyncio.to_thread(go)
 
     # -- the Store interface: a run's reads ----------------------------------------------------

@@ -110,14 +110,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=400.0)
     p.add_argument("--merge-ids", type=int, default=1_000_000)
     p.add_argument("--quota", type=float, default=200.0)
+    p.add_argument("--scenarios", default="merge,scaling,rate,quota,outage",
+                   help="which to run, comma-separated")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="asyncrawl-distributed-"))
     ids = work / "ids.txt"
     ids.write_text("".join(f"d{i}\n" for i in range(args.ids)))
 
-    print(f"merge: {asyncio.run(merge_rate(args.pg, args.merge_ids)):,.0f} IDs/s "
-          f"({args.merge_ids:,} IDs, batches of 100,000)")
+    todo = set(args.scenarios.split(","))
+    if "merge" in todo:
+        print(f"merge: {asyncio.run(merge_rate(args.pg, args.merge_ids)):,.0f} IDs/s "
+              f"({args.merge_ids:,} IDs, batches of 100,000)")
+    if "scaling" in todo:
+        scaling(args, work, ids)
+    if "rate" in todo:
+        rate_bound(args, work, ids)
+    if "quota" in todo:
+        quota(args, work, ids)
+    if "outage" in todo:
+        outage(args, work, ids)
+    return 0
 
+
+def scaling(args: argparse.Namespace, work: Path, ids: Path) -> None:
     with MockProcess(work / "scale.log", "--no-auth", "--faults", "none",
                      "--latency", str(args.latency)) as mock:
         base = None
@@ -132,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {n} process{'es' if n > 1 else '  '}: {rate:7,.0f} req/s  "
                   f"{rate / base:4.2f} x one  (exit {codes})")
 
+
+
+def rate_bound(args: argparse.Namespace, work: Path, ids: Path) -> None:
     log = work / "rate.log"
     with MockProcess(log, "--no-auth", "--faults", "none", "--latency", "0.02") as mock:
         burst = 10
-        wall, codes = crawl(work, mock.item_url, args.pg, ids, 4, 64, args.rate, burst)
+        _wall, codes = crawl(work, mock.item_url, args.pg, ids, 4, 64, args.rate, burst)
         entries = mock.settled_log()
     starts = sorted(e.t for e in entries if e.event == "start")
     worst = window_max(starts)
@@ -147,19 +165,40 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  mean rate after the first and before the last second: {mean:,.1f}/s "
           f"({mean / args.rate:.1%} of the rate; target >= 95 %)")
 
+
+
+def quota(args: argparse.Namespace, work: Path, ids: Path) -> None:
     print(f"\nquota: the server accepts {args.quota:g}/s, the job is set to {3 * args.quota:g}/s, "
           "concurrency 32 each")
     for n in (1, 4):
         with MockProcess(work / f"quota-{n}.log", "--no-auth", "--faults", "none", "--quota",
                          str(args.quota), "--latency", "0.02") as mock:
-            wall, codes = crawl(work, mock.item_url, args.pg, ids, n, 32, 3 * args.quota, 20)
+            _wall, codes = crawl(work, mock.item_url, args.pg, ids, n, 32, 3 * args.quota, 20)
             ends = [e for e in mock.settled_log() if e.event == "end"]
         ok = sorted(e.t for e in ends if e.status == 200)
         limited = sum(e.status == 429 for e in ends)
         print(f"  {n} process{'es' if n > 1 else '  '}: accepted {len(ok) / (ok[-1] - ok[0]):5.0f}/s "
               f"({len(ok) / (ok[-1] - ok[0]) / args.quota:.0%} of the quota), 429s "
               f"{limited / len(ends):.1%} of the answers (exit {codes})")
-    return 0
+
+
+def outage(args: argparse.Namespace, work: Path, ids: Path) -> None:
+    """4 processes; the upstream answers 503 to everything for 6 s from 2 s after the first
+    request: the requests the job sends into the outage once its breaker is open (one
+    process probes, the others hold), judged from the mock's log."""
+    start, length = 2.0, 6.0
+    print(f"\noutage: 4 processes, rate {args.rate:g}/s, concurrency 16 each; 503s from "
+          f"{start:g} s for {length:g} s")
+    with MockProcess(work / "outage.log", "--no-auth", "--faults", "none", "--latency", "0.02",
+                     "--outage", f"{start},{length}") as mock:
+        _wall, codes = crawl(work, mock.item_url, args.pg, ids, 4, 16, args.rate, 10)
+        entries = mock.settled_log()
+    starts = sorted(e.t for e in entries if e.event == "start")
+    t0 = starts[0]
+    into = [t for t in starts if t0 + start + 1.0 <= t < t0 + start + length]
+    print(f"  requests started in the outage after its first second: {len(into)} "
+          f"({len(into) / (length - 1.0):.1f}/s; the job's rate is {args.rate:g}/s) "
+          f"(exit {codes})")
 
 
 if __name__ == "__main__":

@@ -487,3 +487,68 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
 
 def other_rows(job: str) -> list[tuple[Any, ...]]:
     return pg_rows("SELECT id, sends FROM asyncrawl_items WHERE job = %s ORDER BY id", job)
+
+
+def test_the_adaptive_rate_and_the_breaker_act_job_wide(job: str) -> None:
+    """Two runs of one job, each with its heartbeat and governor: a cut of one run's adaptive
+    rate becomes the other's (its share of the job's rate); while one run's breaker is open,
+    the other holds its requests and the open one does not (it probes); once it closes, the
+    hold is not renewed."""
+    from asyncrawl.governor import Breaker, Governor, Ticket
+    from asyncrawl.jobwide import Heartbeat
+    from asyncrawl.pgstore import BREAKER_HOLD, PgStore
+    from asyncrawl.records import Record
+    from asyncrawl.worker import Stop
+
+    async def go() -> None:
+        a, b = await PgStore.open(PG, job), await PgStore.open(PG, job)
+        try:
+            a.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            b.commit([Record("run", extra={"version": "t", "pid": 2, "job": None})])
+            ga = Governor(rate=100.0, burst=10, breaker=Breaker())
+            gb = Governor(rate=100.0, burst=10, breaker=Breaker())
+            ha, hb = Heartbeat(a, Stop(), lambda: ga), Heartbeat(b, Stop(), lambda: gb)
+            loop = asyncio.get_running_loop()
+            for h in (ha, hb, ha):
+                await h.beat(loop.time())
+            assert ga.effective_rate == gb.effective_rate == 50.0  # two runs: half each
+
+            c = ga.controller
+            assert c is not None
+            c.rate, c.cuts = 20.0, 1  # a's adaptive rate found the quota: 20/s of its 50
+            await ha.beat(loop.time())  # published: the job's rate is 40/s
+            await hb.beat(loop.time())
+            assert gb.effective_rate == pytest.approx(20.0)  # b's share of the job's 40
+            assert gb.controller is not None and gb.controller.cuts == 0  # not b's own cut
+
+            now = loop.time()
+            for i in range(10):  # an outage: a's first tries fail, every ID alike
+                ga.on_response(Ticket(now, False), f"x{i}", limited=False, failed=True,
+                               retry_after=None)
+            assert ga.breaker_open
+            await ha.beat(loop.time())  # published: a probes, the others hold
+            await hb.beat(loop.time())
+            assert 0.5 < gb.paused_for <= BREAKER_HOLD
+            assert ga.paused_for == 0.0  # the prober itself is not held
+            await ha.beat(loop.time())
+            assert ga.paused_for == 0.0  # nor by its own hold, read back
+
+            ga.breaker.stand_down()  # a's probe got through: closed
+            await ha.beat(loop.time())  # the hold is withdrawn, not renewed
+            signal = await b.heartbeat()
+            assert signal.hold_for == 0.0
+
+            # a newcomer takes the job's latest cut before its first request (its join)
+            n = await PgStore.open(PG, job)
+            try:
+                n.commit([Record("run", extra={"version": "t", "pid": 3, "job": None})])
+                gn = Governor(rate=100.0, burst=10, breaker=Breaker())
+                await Heartbeat(n, Stop(), lambda: gn).join()
+                assert gn.effective_rate == pytest.approx(40.0 / 3)  # a third of the job's 40
+            finally:
+                await n.close()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
