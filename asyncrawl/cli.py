@@ -66,18 +66,22 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     ``ASYNCRAWL_LOOP=asyncio`` keeps asyncio's; ``=uvloop`` insists on uvloop. The CLI owns its
     process, so it picks the loop; the library runs in whatever loop the application has."""
     choice = os.environ.get("ASYNCRAWL_LOOP", "auto").strip().lower() or "auto"
-    if choice not in LOOPS:
-        raise ConfigError(f"ASYNCRAWL_LOOP must be one of {', '.join(LOOPS)}, got {choice!r}")
     factory = None
-    if choice != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if choice == "uvloop":
-                raise ConfigError("ASYNCRAWL_LOOP=uvloop needs uvloop: pip install "
-                                  "'asyncrawl[fast]'") from None
-        else:
-            factory = uvloop.new_event_loop
+    try:
+        if choice not in LOOPS:
+            raise ConfigError(f"ASYNCRAWL_LOOP must be one of {', '.join(LOOPS)}, got {choice!r}")
+        if choice != "asyncio":
+            try:
+                import uvloop
+            except ImportError:
+                if choice == "uvloop":
+                    raise ConfigError("ASYNCRAWL_LOOP=uvloop needs uvloop: pip install "
+                                      "'asyncrawl[fast]'") from None
+            else:
+                factory = uvloop.new_event_loop
+    except ConfigError:
+        main.close()  # never run: not left to warn that it was never awaited
+        raise
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 

@@ -205,7 +205,9 @@ def with_key(config: Config, key: str, url: URL,
     hook's request, which knows nothing of the keys)."""
     if config.key_param is not None:
         return url.update_query({config.key_param: key}), headers
-    return url, {**headers, config.key_header: config.key_format.replace("{key}", key)}
+    name = config.key_header.lower()
+    return url, {**{k: v for k, v in headers.items() if k.lower() != name},
+                 config.key_header: config.key_format.replace("{key}", key)}
 
 
 def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | None]:

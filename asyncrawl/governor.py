@@ -405,11 +405,13 @@ class Lane:
             c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
             c.max_rate = rate
 
-    def pause(self, now: float, until: float) -> None:
-        if until > self.paused_until:
-            if self.controller is not None:
-                self.controller.on_pause(max(now, self.paused_until), until)
-            self.paused_until = until
+    def pause(self, now: float, until: float, *, held_until: float = 0.0) -> None:
+        """Hold this lane until ``until``; ``held_until``: the job is paused until then anyway
+        (that time is not counted twice as paused)."""
+        start = max(now, self.paused_until, held_until)
+        if until > start and self.controller is not None:
+            self.controller.on_pause(start, until)
+        self.paused_until = max(self.paused_until, until)
 
 
 class Governor:
@@ -427,9 +429,12 @@ class Governor:
         now = self._loop.time()
         self.rate = rate
         self.burst = burst
-        self.lanes = [Lane(i, rate / keys, max(1, round(burst / keys)), adaptive=adaptive,
-                           now=now) for i in range(keys)]
+        self.lanes = [Lane(i, rate / keys, b, adaptive=adaptive, now=now)
+                      for i, b in enumerate(_split(burst, keys))]
         self._single = keys == 1
+        # several keys: the job's bucket too, the ceiling of all of them together (each
+        # lane's share of the burst is at least 1, which could add up to more than it)
+        self.limiter = None if self._single else AsyncLimiter(burst, burst / rate)
         self.breaker = breaker
         # Are there IDs not yet sent (the breaker's to protect)? Set by each pass; while it says
         # no, an open breaker stands down: the IDs left are retries with their own backoff.
@@ -473,8 +478,11 @@ class Governor:
         and together keep to its limit."""
         self.runs = runs
         n = len(self.lanes)
-        for lane in self.lanes:
-            lane.resize(self.rate / runs / n, max(1, round(self.burst / runs / n)))
+        burst = max(1, round(self.burst / runs))
+        for lane, b in zip(self.lanes, _split(burst, n), strict=True):
+            lane.resize(self.rate / runs / n, b)
+        if self.limiter is not None:
+            self.limiter = AsyncLimiter(burst, burst / (self.rate / runs))
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""
@@ -482,9 +490,9 @@ class Governor:
         until = now + seconds
         if until > self.paused_until:
             for lane in self.lanes:
-                if lane.controller is not None:
-                    lane.controller.on_pause(max(now, self.paused_until, lane.paused_until),
-                                             until)
+                start = max(now, self.paused_until, lane.paused_until)
+                if until > start and lane.controller is not None:
+                    lane.controller.on_pause(start, until)
             self.paused_until = until
 
     @property
@@ -494,12 +502,12 @@ class Governor:
 
     def adopt_rate(self, rate: float) -> None:
         """Take ``rate`` (this process's share of a job-wide rate that another process of the
-        job cut to) as the effective rate, if lower: split between the keys like ``rate``."""
-        now = self._loop.time()
-        n = len(self.lanes)
-        for lane in self.lanes:
-            if lane.controller is not None:
-                lane.controller.adopt(rate / n, None, now)
+        job cut to) as the effective rate, if lower. With one key only: with several, each
+        key's quota is its own, and another process's cut of one key says nothing of the
+        others (``Heartbeat`` neither publishes nor adopts then)."""
+        c = self.lanes[0].controller
+        if self._single and c is not None:
+            c.adopt(rate, None, self._loop.time())
 
     def retire(self, lane: int) -> int:
         """The key of ``lane`` was refused: no request goes out with it again. Returns how many
@@ -553,6 +561,8 @@ class Governor:
                     if slot > now:
                         await asyncio.sleep(slot - now)
             await lane.limiter.acquire()
+            if self.limiter is not None:
+                await self.limiter.acquire()
             # The waits above took time: decide on what holds *now* (a pause may have begun,
             # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()
@@ -585,12 +595,18 @@ class Governor:
         # several keys, a 429 holds back its own key.
         if asked and (c is None or c.limiting(now)):
             if limited and not self._single:
-                lane.pause(now, now + retry_after)  # type: ignore[operator]
+                lane.pause(now, now + retry_after,  # type: ignore[operator]
+                           held_until=self.paused_until)
             else:
                 self.pause(retry_after)  # type: ignore[arg-type]
         if self.breaker is not None and (evidence or ticket.probe):
             self.breaker.on_response(now, item_id, failed or (limited and ticket.probe),
                                      ticket.probe, ticket.sent_at)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` whole shares as even as can be (each at least 1)."""
+    return [max(1, total // parts + (i < total % parts)) for i in range(parts)]
 
 
 class Budget:

@@ -119,7 +119,7 @@ class Heartbeat:
         if gov is not None and gov.paused_until > self._published_pause + 0.05:
             self._published_pause = gov.paused_until
             await store.publish_pause(gov.paused_until - now)
-        if gov is not None and gov.cuts > self._published_cuts:
+        if gov is not None and len(gov.lanes) == 1 and gov.cuts > self._published_cuts:
             # our adaptive rate found the quota: the job's rate is our share times the runs
             self._published_cuts = gov.cuts
             await store.publish_rate_cut(gov.effective_rate * gov.runs)

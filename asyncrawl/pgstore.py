@@ -64,6 +64,7 @@ HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 JOB_COLUMNS = ("rate_cut", "rate_cut_at", "rate_cut_run", "breaker_run", "breaker_until")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
+ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
 COMMIT_TRIES = 3  # a commit that PostgreSQL rolls back (deadlock, serialization) is redone
 LIVE = 3.0  # a run whose heartbeat is older than this is not counted as working
 # The IDs of each pass of a generation: pass 1 those without an outcome and those that failed in
@@ -273,9 +274,10 @@ class PgStore:
                       "ANY(%s)", (list(JOB_COLUMNS),)).fetchone()[0] != len(JOB_COLUMNS):
             return False
         names = ["asyncrawl_jobs", "asyncrawl_runs", "asyncrawl_items", "asyncrawl_ledger",
-                 "asyncrawl_key_ledger",
                  "asyncrawl_items_open", "asyncrawl_items_state", "asyncrawl_items_doubt",
                  "asyncrawl_runs_job", "asyncrawl_results"]
+        if columns:  # added later: a reader of an older job does without
+            names.append("asyncrawl_key_ledger")
         row = self._conns["control"].execute(
             "SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest(%s::text[]) AS n",
             (names,)).fetchone()
@@ -594,9 +596,10 @@ class PgStore:
                     self._apply(records)
                 return
             except psycopg.Error as e:
-                # a deadlock or serialization failure (SQLSTATE class 40): PostgreSQL rolled the
-                # whole transaction back, so the batch is written again from the start
-                if not (e.sqlstate or "").startswith("40") or attempt == COMMIT_TRIES:
+                # a deadlock or serialization failure: PostgreSQL rolled the whole transaction
+                # back, so the batch is written again from the start (not 40003, "statement
+                # completion unknown": that one may have committed)
+                if e.sqlstate not in ROLLED_BACK or attempt == COMMIT_TRIES:
                     self._dead = True
                     raise _storage_error(e, self.url, "write the state database") from None
                 log.warning("the state database rolled a commit back (%s, SQLSTATE %s); "

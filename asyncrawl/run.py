@@ -188,10 +188,12 @@ class Run:
             error = e
             raise
         finally:
-            if job is not None:
-                await job.close()
-            await self._close(writer, writer_task, ticker, error)
-            await asyncio.gather(*self._alerts)  # (they log their own failures)
+            try:
+                if job is not None:
+                    await job.close()
+                await self._close(writer, writer_task, ticker, error)
+            finally:  # the alerts sent meanwhile (they log their own failures)
+                await asyncio.gather(*self._alerts, return_exceptions=True)
         summary = await self._summary(store)
         halt = self.stop.halt
         if job is not None and job.heartbeat.halted_elsewhere:

@@ -33,6 +33,8 @@ from .records import Record
 from .retry import retry_delay
 from .types import Halt
 
+KEY_REFUSED = frozenset({401, 402})  # with several keys: the key's fault, it is retired
+
 
 class Action(enum.Enum):
     SETTLE = "settle"
@@ -258,6 +260,14 @@ class Worker:
             if stop.is_set() or not await self.sink.commit(sent) or stop.is_set():
                 budget.release(False)  # no await between the last check and the send
                 return
+            if gov.lanes[lane].retired:
+                # its key was refused while the intent was being committed: not sent with
+                # it; the ID goes again with another key (this intent stays unanswered, like
+                # one whose request a stop cut short before it left)
+                budget.release(False)
+                del held[id(item)]
+                self.parking.park(item, 0.0)
+                continue
             attempt = await self._send(item, lane)
             del held[id(item)]  # no await from here on: it is parked or settled below
             budget.release(attempt.billable)
@@ -284,11 +294,11 @@ class Worker:
                 stop.set(self._budget_halt())
 
     def _retire(self, lane: int, attempt: Attempt) -> bool:
-        """A fatal answer with the key of ``lane``: with several keys, that key is retired;
-        ``True`` while another key is left to go on with."""
+        """A fatal answer with the key of ``lane``: with several keys, a 401/402 retires that
+        key; ``True`` while another key is left to go on with."""
         gov = self.governor
-        if len(gov.lanes) == 1:
-            return False
+        if len(gov.lanes) == 1 or attempt.status not in KEY_REFUSED:
+            return False  # one key, or not the key's fault (a 403 made fatal, a hook): halt
         if gov.lanes[lane].retired:  # refused again, by a request already out with it
             return bool(gov.live)
         left = gov.retire(lane)
@@ -323,7 +333,9 @@ class Worker:
                     by = item.paid_by = {}
                 by[fp] = by.get(fp, 0) + 1
         if action is Action.HALT:
-            every = " (every API key has been refused)" if len(self.governor.lanes) > 1 else ""
+            gov = self.governor
+            every = " (every API key has been refused)" if len(gov.lanes) > 1 and not gov.live \
+                else ""
             self.stop.set(Halt("fatal", attempt.status, self.config.redact(
                 f"fatal response {attempt.error or attempt.status}{every}")))
             if attempt.billable:  # unsettled but billed: its bill is recorded at the pass's end

@@ -224,3 +224,34 @@ async def test_a_state_of_schema_1_is_upgraded_on_open(keyed: Any, tmp_path: Pat
     assert db.execute("PRAGMA user_version").fetchone()[0] == 2
     db.close()
     assert sum(r["sent"] for r in status(cfg)["keys"]) == 1  # only "c" was sent since
+
+
+async def test_only_a_401_or_402_retires_a_key(keyed: Any, tmp_path: Path) -> None:
+    """A status the user made fatal (here 403) is not the key's fault: the job halts at once,
+    no key is retired, no key_retired alert."""
+
+    class Forbidden(KeyedAPI):
+        async def item(self, request: web.Request) -> web.Response:
+            self.log.append((time.monotonic(), self.key_of(request)))
+            return web.json_response({"error": "banned"}, status=403)
+
+    api = Forbidden({GOOD1, GOOD2})
+    base = await keyed(api)
+    cfg = config(base, tmp_path, keys=[GOOD1, GOOD2], fatal=[401, 402, 403],
+                 skip=[400, 404, 410], webhook=base + "/alert")
+    async with Crawler(cfg) as c:
+        s = await c.run([f"n{i}" for i in range(50)])
+    assert s.halt is not None and s.halt.reason == "fatal" and s.halt.status == 403
+    assert "every API key" not in s.halt.message
+    assert [a["reason"] for a in api.alerts] == ["fatal"]
+
+
+async def test_the_keys_together_keep_to_the_job_s_burst() -> None:
+    """Each key has a share of the burst of at least 1; together they never exceed it."""
+    from asyncrawl.governor import Governor
+
+    gov = Governor(rate=0.1, burst=2, keys=5, adaptive=False)
+    for _ in range(2):  # the job's burst: at once
+        await asyncio.wait_for(gov.acquire(), 1.0)
+    with pytest.raises(TimeoutError):  # the next token is 10 s away, whichever key
+        await asyncio.wait_for(gov.acquire(), 0.3)
