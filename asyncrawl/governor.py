@@ -25,7 +25,7 @@ import asyncio
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from aiolimiter import AsyncLimiter
@@ -610,33 +610,67 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 class Budget:
-    """At most ``limit`` billable answers this run (``None``: no limit)."""
+    """At most ``limit`` billable answers this run (``None``: no limit).
 
-    __slots__ = ("_changed", "billed", "limit", "reserved")
+    ``grant`` (a job shared by several processes): the limit is the *job's*, and this run may
+    only spend what it was granted from it; ``grant(n)`` asks the job for up to ``n`` more
+    calls and returns how many it got (0: the job's budget is spent). What a run was granted
+    and did not spend goes back to the job when it ends (``unspent``); a run that dies loses
+    its grant, so the job stops short rather than over its budget."""
 
-    def __init__(self, limit: int | None) -> None:
+    __slots__ = ("_asking", "_changed", "_grant", "_spent", "billed", "granted", "limit",
+                 "reserved")
+
+    def __init__(self, limit: int | None,
+                 grant: Callable[[int], Awaitable[int]] | None = None) -> None:
         self.limit = limit
         self.billed = 0
         self.reserved = 0
+        self._grant = grant if limit is not None else None
+        self.granted = 0 if self._grant is not None else (limit or 0)
+        self._spent = False  # the job has nothing more to grant
+        self._asking = False
         self._changed = asyncio.Event()
 
     def __repr__(self) -> str:
-        return f"<Budget billed={self.billed} reserved={self.reserved} limit={self.limit}>"
+        return (f"<Budget billed={self.billed} reserved={self.reserved} limit={self.limit} "
+                f"granted={self.granted}>")
 
     @property
     def exhausted(self) -> bool:
-        return self.limit is not None and self.billed >= self.limit
+        if self.limit is None:
+            return False
+        if self._grant is not None:
+            return self._spent and self.billed >= self.granted
+        return self.billed >= self.limit
+
+    @property
+    def unspent(self) -> int:
+        """Granted by the job and not spent (given back when the run ends)."""
+        return max(0, self.granted - self.billed) if self._grant is not None else 0
 
     async def reserve(self) -> bool:
         """Reserve a slot for one request; ``False`` once the budget is spent."""
         if self.limit is None:
             return True
         while True:
-            if self.billed >= self.limit:
+            if self.billed >= self.limit or (self._spent and self.billed >= self.granted):
                 return False
-            if self.billed + self.reserved < self.limit:
+            if self.billed + self.reserved < self.granted:
                 self.reserved += 1
                 return True
+            if self._grant is not None and not self._spent and not self._asking:
+                self._asking = True
+                try:
+                    got = await self._grant(GRANT_CHUNK)
+                finally:
+                    self._asking = False
+                    self._wake()
+                self.granted += got
+                self._spent = got < GRANT_CHUNK
+                continue
+            if self.reserved == 0 and not self._asking:
+                return False  # nothing in flight could give a slot back
             await self._changed.wait()  # every slot is in flight: wait for one to come back
 
     def release(self, billable: bool) -> None:
@@ -646,5 +680,11 @@ class Budget:
             return
         self.reserved -= 1
         self.billed += billable
+        self._wake()
+
+    def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+GRANT_CHUNK = 16  # calls a run of a shared job takes from the job's budget at a time

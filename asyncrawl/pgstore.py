@@ -19,7 +19,8 @@ Durability: each group commit is one transaction (PostgreSQL's ``synchronous_com
 committed transaction is on disk). Tables (created on first use, in the connection's schema)::
 
     asyncrawl_jobs(job, identity, generation, halt_gen, halt, pause_until, rate_cut,
-                   rate_cut_at, rate_cut_run, breaker_run, breaker_until)
+                   rate_cut_at, rate_cut_run, breaker_run, breaker_until, budget_gen,
+                   budget_taken)
     asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
                    ended, error, halt_reason, halt_status, halt_message)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
@@ -61,7 +62,8 @@ log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
-JOB_COLUMNS = ("rate_cut", "rate_cut_at", "rate_cut_run", "breaker_run", "breaker_until")
+JOB_COLUMNS = ("rate_cut", "rate_cut_at", "rate_cut_run", "breaker_run", "breaker_until",
+               "budget_gen", "budget_taken")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
@@ -85,7 +87,9 @@ ALTER TABLE asyncrawl_jobs ADD COLUMN IF NOT EXISTS rate_cut double precision,
     ADD COLUMN IF NOT EXISTS rate_cut_at double precision,
     ADD COLUMN IF NOT EXISTS rate_cut_run bigint,
     ADD COLUMN IF NOT EXISTS breaker_run bigint,
-    ADD COLUMN IF NOT EXISTS breaker_until double precision;
+    ADD COLUMN IF NOT EXISTS breaker_until double precision,
+    ADD COLUMN IF NOT EXISTS budget_gen integer,
+    ADD COLUMN IF NOT EXISTS budget_taken bigint;
 CREATE TABLE IF NOT EXISTS asyncrawl_runs (
     run bigserial PRIMARY KEY, job text NOT NULL, generation integer NOT NULL, host text,
     pid integer, version text, started double precision NOT NULL DEFAULT {NOW},
@@ -529,6 +533,30 @@ class PgStore:
                 db.execute(f"UPDATE asyncrawl_jobs SET rate_cut = %s, rate_cut_at = {NOW}, "
                            "rate_cut_run = %s WHERE job = %s", (rate, self._run, self.job_name))
         await asyncio.to_thread(go)
+
+    async def grant_budget(self, want: int, limit: int) -> int:
+        """Up to ``want`` billable calls for this run out of the job's budget of ``limit``
+        per generation (``--max-requests`` of a shared job); how many it got."""
+        def go() -> int:
+            with self._db("control", "take from the job's budget") as db, db.transaction():
+                taken, gen = db.execute("SELECT budget_taken, budget_gen FROM asyncrawl_jobs "
+                                        "WHERE job = %s FOR UPDATE", (self.job_name,)).fetchone()
+                taken = (taken or 0) if gen == self._gen else 0
+                got = max(0, min(want, limit - taken))
+                db.execute("UPDATE asyncrawl_jobs SET budget_taken = %s, budget_gen = %s "
+                           "WHERE job = %s", (taken + got, self._gen, self.job_name))
+            return got
+        return await asyncio.to_thread(go)
+
+    async def return_budget(self, unspent: int) -> None:
+        """Give back what this run was granted and did not spend."""
+        def go() -> None:
+            with self._db("control", "give back to the job's budget") as db:
+                db.execute("UPDATE asyncrawl_jobs SET budget_taken = greatest(0, budget_taken - "
+                           "%s) WHERE job = %s AND budget_gen = %s",
+                           (unspent, self.job_name, self._gen))
+        if unspent > 0:
+            await asyncio.to_thread(go)
 
     async def publish_breaker(self, hold: float | None) -> None:
         """This run's breaker is open: the other runs hold their new requests for ``hold``

@@ -96,6 +96,8 @@ class Run:
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
         self._session: aiohttp.ClientSession | None = None
+        self._shared_store: PgStore | None = None
+        self.budget: Budget | None = None
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -157,7 +159,7 @@ class Run:
         cfg = self.config
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
-        shared = store if isinstance(store, PgStore) else None
+        shared = self._shared_store = store if isinstance(store, PgStore) else None
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every),
@@ -191,6 +193,9 @@ class Run:
             try:
                 if job is not None:
                     await job.close()
+                    if self.budget is not None and self.budget.unspent:
+                        with contextlib.suppress(StorageError):  # (lost: the job stops short)
+                            await job.store.return_budget(self.budget.unspent)
                 await self._close(writer, writer_task, ticker, error)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
@@ -216,7 +221,12 @@ class Run:
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
             breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None,
             keys=len(cfg.keys) or 1)
-        budget = Budget(cfg.request_budget)
+        shared = self._shared_store
+        limit = cfg.request_budget
+        # a shared job's budget is the job's: each run takes it from the job, a chunk at a time
+        grant = (lambda n: shared.grant_budget(n, limit)) \
+            if shared is not None and limit is not None else None
+        budget = self.budget = Budget(limit, grant)
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe)
         failed = (await self._pass(1, first, fetcher, budget, writer)).failed

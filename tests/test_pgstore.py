@@ -552,3 +552,25 @@ def test_the_adaptive_rate_and_the_breaker_act_job_wide(job: str) -> None:
             await b.close()
 
     asyncio.run(go())
+
+
+def test_max_requests_is_the_job_s_budget_not_each_process_s(tmp_path: Path, job: str,
+                                                            mock_process: Any) -> None:
+    """Two processes, ``--max-requests 200``: together they buy at most 200 answers (each
+    takes its calls from the job's budget a chunk at a time), and both stop with exit 4."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.02")
+    ids = write_ids(tmp_path / "ids.txt", [f"m{i}" for i in range(1000)])
+    limits = {"limits": {"concurrency": 8, "rate": 2000}}
+    procs = [_run(_config(tmp_path, mock.item_url, job, ids, **limits), "--max-requests", "200")
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [4, 4], outs
+    paid = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
+    assert 200 - 2 * 16 <= len(paid) <= 200  # never over; short by at most a chunk each
+    assert read_store(PG, job=job).snapshot().billable == len(paid)
+    # a rerun is a new generation of the job, with a budget of its own
+    again = _run(_config(tmp_path, mock.item_url, job, ids, **limits), "--max-requests", "50")
+    out = again.communicate(timeout=120)
+    assert again.returncode == 4, out
+    paid_again = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
+    assert len(paid_again) - len(paid) == 50
