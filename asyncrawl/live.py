@@ -9,15 +9,18 @@ this module computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
+from .errors import AsyncrawlError
 from .types import Progress
 
 log = logging.getLogger("asyncrawl")
@@ -112,16 +115,23 @@ class Meter:
 
 
 async def tick(progress: Callable[[], Progress], state_dir: Path | None,
-               on_progress: Callable[[Progress], None] | None, every: float) -> None:
-    """Until cancelled: every second the live snapshot for ``asyncrawl status``; and
-    ``on_progress`` every ``every`` seconds."""
+               on_progress: Callable[[Progress], None] | None, every: float,
+               publish: Callable[[dict[str, Any]], Awaitable[None]] | None = None) -> None:
+    """Until cancelled: every second the live snapshot for ``asyncrawl status`` (``live.json``
+    in ``state_dir``, or ``publish``: a shared job's database); and ``on_progress`` every
+    ``every`` seconds."""
     step = min(every, LIVE_EVERY)
     last_hook = time.monotonic()
+    last_live = 0.0
     while True:
         await asyncio.sleep(step)
         p = progress()
         if state_dir is not None:
             await asyncio.to_thread(write_live, state_dir, p)
+        if publish is not None and time.monotonic() - last_live >= LIVE_EVERY * 0.99:
+            last_live = time.monotonic()
+            with contextlib.suppress(AsyncrawlError):  # a view only: the heartbeat notices
+                await publish(asdict(p) | {"ts": time.time()})  # a database that has gone
         if on_progress is not None and time.monotonic() - last_hook >= every * 0.99:
             last_hook = time.monotonic()
             try:

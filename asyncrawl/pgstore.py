@@ -22,7 +22,7 @@ committed transaction is on disk). Tables (created on first use, in the connecti
                    rate_cut_at, rate_cut_run, breaker_run, breaker_until, budget_gen,
                    budget_taken)
     asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
-                   ended, error, halt_reason, halt_status, halt_message)
+                   ended, error, halt_reason, halt_status, halt_message, live)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
                     generation, lease_owner, lease_until, sent_run, sends, doubt)
     asyncrawl_ledger(job, day, endpoint, run, sent, billable)   (a row per run: no two runs'
@@ -62,8 +62,11 @@ log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
-JOB_COLUMNS = ("rate_cut", "rate_cut_at", "rate_cut_run", "breaker_run", "breaker_until",
-               "budget_gen", "budget_taken")
+# columns added to tables of earlier releases (ALTER TABLE ... ADD COLUMN IF NOT EXISTS)
+LATER_COLUMNS = (
+    "asyncrawl_jobs.rate_cut", "asyncrawl_jobs.rate_cut_at", "asyncrawl_jobs.rate_cut_run",
+    "asyncrawl_jobs.breaker_run", "asyncrawl_jobs.breaker_until", "asyncrawl_jobs.budget_gen",
+    "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
@@ -90,6 +93,7 @@ ALTER TABLE asyncrawl_jobs ADD COLUMN IF NOT EXISTS rate_cut double precision,
     ADD COLUMN IF NOT EXISTS breaker_until double precision,
     ADD COLUMN IF NOT EXISTS budget_gen integer,
     ADD COLUMN IF NOT EXISTS budget_taken bigint;
+ALTER TABLE asyncrawl_runs ADD COLUMN IF NOT EXISTS live jsonb;
 CREATE TABLE IF NOT EXISTS asyncrawl_runs (
     run bigserial PRIMARY KEY, job text NOT NULL, generation integer NOT NULL, host text,
     pid integer, version text, started double precision NOT NULL DEFAULT {NOW},
@@ -273,9 +277,10 @@ class PgStore:
         """Whether the tables, views and indexes are there (``columns``: and the columns that
         later releases added; a reader of an older schema does not need them)."""
         db = self._conns["control"]
-        if columns and db.execute("SELECT count(*) FROM information_schema.columns WHERE table_schema = "
-                      "current_schema() AND table_name = 'asyncrawl_jobs' AND column_name = "
-                      "ANY(%s)", (list(JOB_COLUMNS),)).fetchone()[0] != len(JOB_COLUMNS):
+        if columns and db.execute(
+                "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+                "current_schema() AND table_name || '.' || column_name = ANY(%s)",
+                (list(LATER_COLUMNS),)).fetchone()[0] != len(LATER_COLUMNS):
             return False
         names = ["asyncrawl_jobs", "asyncrawl_runs", "asyncrawl_items", "asyncrawl_ledger",
                  "asyncrawl_items_open", "asyncrawl_items_state", "asyncrawl_items_doubt",
@@ -557,6 +562,27 @@ class PgStore:
                            (unspent, self.job_name, self._gen))
         if unspent > 0:
             await asyncio.to_thread(go)
+
+    async def publish_live(self, progress: dict[str, Any]) -> None:
+        """This run's progress, for ``status`` (a view, like a state directory's live.json)."""
+        def go() -> None:
+            with self._db("control", "publish the progress") as db:
+                db.execute("UPDATE asyncrawl_runs SET live = %s WHERE run = %s",
+                           (_jsonb(progress), self._run))
+        await asyncio.to_thread(go)
+
+    def live(self) -> list[dict[str, Any]]:
+        """The progress of each run working on the job now (heartbeat within ``LIVE`` s)."""
+        with self._db("control", "read the job") as db:
+            if not db.execute("SELECT count(*) FROM information_schema.columns WHERE "
+                              "table_schema = current_schema() AND table_name = "
+                              "'asyncrawl_runs' AND column_name = 'live'").fetchone()[0]:
+                return []  # a job of an earlier release
+            rows = db.execute(f"SELECT run, host, pid, live FROM asyncrawl_runs WHERE job = %s "
+                              f"AND ended IS NULL AND heartbeat > {NOW} - %s ORDER BY run",
+                              (self.job_name, LIVE)).fetchall()
+        return [{"run": run, "host": host, "pid": pid, **(live or {})}
+                for run, host, pid, live in rows]
 
     async def publish_breaker(self, hold: float | None) -> None:
         """This run's breaker is open: the other runs hold their new requests for ``hold``

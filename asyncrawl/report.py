@@ -20,6 +20,7 @@ import orjson
 from .config import Config, endpoint_of
 from .errors import ConfigError, StorageError
 from .live import read_live
+from .pgstore import PgStore
 from .progress import halt_text
 from .records import Record
 from .store import read_store
@@ -42,7 +43,8 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     connections), from the store's note written before each send, minus the calls whose answer
     was lost in a crash (``in_doubt``: possibly billed).
     """
-    snap = read_store(config.state, job=config.job).snapshot()
+    store = read_store(config.state, job=config.job)
+    snap = store.snapshot()
     billable = snap.billable
     if snap.job is not None:  # what the state says it fetched, not what today's config says
         endpoint = endpoint_of(snap.job["url"])
@@ -82,6 +84,8 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     }
     if snap.running is not None and config.state_url is None:
         out["live"] = read_live(Path(config.state_dir))
+    if isinstance(store, PgStore):  # a shared job: each working process's progress
+        out["live_runs"] = store.live()
     if price is not None:
         out["cost"] = round(billable * price, 6)
         out["currency"] = config.currency
@@ -126,6 +130,12 @@ def status_text(s: dict[str, Any]) -> str:
                 gov += f", paused {live['paused_for']:.0f}s (Retry-After)"
             gov += ", breaker OPEN (upstream down, probing)" if live["breaker_open"] else ", breaker closed"
             lines.append(f"governor     {gov}")
+        for r in s.get("live_runs", ()):
+            if "pass_no" not in r:
+                continue  # no progress published yet
+            lines.append(f"  process {r['host']}:{r['pid']}  pass {r['pass_no']}, "
+                         f"{r['ok']:,} ok, sending {r['rate']:,.1f} req/s (limit "
+                         f"{r['effective_rate']:,.1f}), {r['in_flight']} in flight")
     if s["halt"]:
         h = s["halt"]
         what, then = halt_text(Halt(h["reason"] or "fatal", h["status"], h["message"]))

@@ -162,7 +162,8 @@ class Run:
         shared = self._shared_store = store if isinstance(store, PgStore) else None
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
-            tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every),
+            tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every,
+                 publish=shared.publish_live if shared is not None else None),
             name="asyncrawl-progress")
         ident = None
         if isinstance(source, IdsFile) and shared is None:

@@ -574,3 +574,28 @@ def test_max_requests_is_the_job_s_budget_not_each_process_s(tmp_path: Path, job
     assert again.returncode == 4, out
     paid_again = [e for e in mock.settled_log() if e.event == "end" and e.status == 200]
     assert len(paid_again) - len(paid) == 50
+
+
+def test_status_of_a_shared_job_shows_each_working_process(tmp_path: Path, job: str,
+                                                          mock_process: Any) -> None:
+    """While two processes work on a job, ``status`` lists each one's progress (what a state
+    directory's live.json gives for one process)."""
+    import json
+
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.2")
+    ids = write_ids(tmp_path / "ids.txt", [f"s{i}" for i in range(400)])
+    limits = {"limits": {"concurrency": 4, "rate": 2000}}
+    procs = [_run(_config(tmp_path, mock.item_url, job, ids, **limits)) for _ in range(2)]
+    try:
+        def two_live() -> bool:
+            out = cli("status", "--state", PG, "--job", job, "--json")
+            runs = json.loads(out.stdout).get("live_runs", []) if out.returncode == 0 else []
+            return len([r for r in runs if "pass_no" in r]) == 2
+
+        _wait_for(two_live, 60, "two processes with their progress in status")
+        text = cli("status", "--state", PG, "--job", job).stdout
+        assert text.count("  process ") == 2 and "req/s (limit" in text
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
