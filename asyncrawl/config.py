@@ -147,8 +147,7 @@ class Config:
             if isinstance(key, str):
                 secrets.add(key)
                 if isinstance(self.key_format, str) and self.key_param is None:
-                    value = self.key_format.replace("{key}", key)
-                    secrets.update(_credential_parts(value, cookie=False))
+                    secrets.update(_credential_parts(self.key_value(key), cookie=False))
         if isinstance(self.url, str):
             secrets.update(_userinfo(self.url))
         if isinstance(self.state_url, str):  # postgresql://user:password@host/db
@@ -294,6 +293,10 @@ class Config:
         if self.body is not None:
             ident["body"] = self.redact(self.body)
         return ident
+
+    def key_value(self, key: str) -> str:
+        """What the ``key_header`` of a request carries for one of ``[request] keys``."""
+        return self.key_format.replace("{key}", key)
 
     def is_secret_param(self, name: str) -> bool:
         """Whether a query parameter of this name carries a credential."""

@@ -142,7 +142,7 @@ class RequestBuilder:
         self.method = config.method
         self.headers = {k: str(v) for k, v in config.headers.items()}  # TOML may give numbers
         if key is not None and config.key_param is None:
-            self.headers[config.key_header] = config.key_format.replace("{key}", key)
+            self.headers[config.key_header] = config.key_value(key)
         self.body, content_type = body_maker(config)
         if content_type and not any(k.lower() == "content-type" for k in self.headers):
             self.headers["Content-Type"] = content_type
@@ -207,7 +207,7 @@ def with_key(config: Config, key: str, url: URL,
         return url.update_query({config.key_param: key}), headers
     name = config.key_header.lower()
     return url, {**{k: v for k, v in headers.items() if k.lower() != name},
-                 config.key_header: config.key_format.replace("{key}", key)}
+                 config.key_header: config.key_value(key)}
 
 
 def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | None]:

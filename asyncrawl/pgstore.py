@@ -55,7 +55,7 @@ from typing import Any
 
 from .config import PG_SCHEMES, endpoint_of
 from .errors import ConfigError, StorageError, require_extra
-from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
+from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, call_rows, utc_day
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -159,20 +159,18 @@ INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends)
 SELECT %(job)s, v.id, %(run)s, 1 FROM unnest(%(id)s::text[]) AS v(id)
 ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1
 """
-ADD_LEDGER = """
-INSERT INTO asyncrawl_ledger (job, day, endpoint, run, sent, billable)
-VALUES (%s, %s, %s, %s, %s, %s)
-ON CONFLICT (job, day, endpoint, run) DO UPDATE SET
-    sent = asyncrawl_ledger.sent + excluded.sent,
-    billable = asyncrawl_ledger.billable + excluded.billable
-"""
-ADD_KEY_LEDGER = """
-INSERT INTO asyncrawl_key_ledger (job, day, key, run, sent, billable)
-VALUES (%s, %s, %s, %s, %s, %s)
-ON CONFLICT (job, day, key, run) DO UPDATE SET
-    sent = asyncrawl_key_ledger.sent + excluded.sent,
-    billable = asyncrawl_key_ledger.billable + excluded.billable
-"""
+
+
+def _add_calls(table: str, what: str) -> str:
+    """Add a batch's calls of this run to ``table`` (by endpoint, or by key)."""
+    return (f"INSERT INTO {table} (job, day, {what}, run, sent, billable) "
+            f"VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (job, day, {what}, run) DO UPDATE "
+            f"SET sent = {table}.sent + excluded.sent, "
+            f"billable = {table}.billable + excluded.billable")
+
+
+ADD_LEDGER = _add_calls("asyncrawl_ledger", "endpoint")
+ADD_KEY_LEDGER = _add_calls("asyncrawl_key_ledger", "key")
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -664,7 +662,7 @@ class PgStore:
         db = self._conns["writer"]
         sent: list[str] = []
         outcomes: list[Record] = []
-        ledger: Counter[tuple[str, str]] = Counter()
+        ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         for rec in records:
             kind = rec.kind
@@ -674,7 +672,7 @@ class PgStore:
             day = self._day[1]
             if kind == "sent":
                 sent.append(rec.id or "")
-                ledger[(day, "sent")] += 1
+                ledger[(day, self._endpoint, "sent")] += 1
                 if rec.key is not None:
                     keys[(day, rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
@@ -692,16 +690,13 @@ class PgStore:
                 self._end_run(rec, sent, outcomes)
                 sent, outcomes = [], []
             if rec.paid:
-                ledger[(day, "billable")] += rec.paid
+                ledger[(day, self._endpoint, "billable")] += rec.paid
                 for key, n in rec.paid_keys().items():
                     keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
-        for (day, what), n in sorted(ledger.items()):
-            db.execute(ADD_LEDGER, (self.job_name, day, self._endpoint, self._run,
-                                    n if what == "sent" else 0, n if what == "billable" else 0))
-        for (day, key, what), n in sorted(keys.items()):
-            db.execute(ADD_KEY_LEDGER, (self.job_name, day, key, self._run,
-                                        n if what == "sent" else 0, n if what == "billable" else 0))
+        for sql, counts in ((ADD_LEDGER, ledger), (ADD_KEY_LEDGER, keys)):
+            for day, what, n_sent, n_billable in call_rows(counts):
+                db.execute(sql, (self.job_name, day, what, self._run, n_sent, n_billable))
 
     def _flush(self, sent: list[str], outcomes: list[Record]) -> None:
         db = self._conns["writer"]

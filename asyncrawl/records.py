@@ -23,6 +23,7 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -207,6 +208,15 @@ class Snapshot:
     @property
     def billable(self) -> int:
         return sum(n for _, _, n in self.ledger)
+
+
+def call_rows(counts: Mapping[tuple[str, str, str], int]) -> list[tuple[str, str, int, int]]:
+    """A batch's calls ``(UTC date, endpoint or key, "sent" | "billable") -> n`` as ledger rows
+    ``(date, endpoint or key, sent, billable)``, in order (both stores add them up so)."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for (day, what, kind), n in sorted(counts.items()):
+        rows.setdefault((day, what), [0, 0])[kind == "billable"] += n
+    return [(day, what, sent, billable) for (day, what), (sent, billable) in rows.items()]
 
 
 def utc_day(ts: float) -> str:

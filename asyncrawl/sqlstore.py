@@ -59,7 +59,7 @@ from .config import endpoint_of
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
-from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, utc_day
+from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, call_rows, utc_day
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -144,16 +144,17 @@ UPSERT_SENT = """
 INSERT INTO items (id, sent_run, sends) VALUES {values}
 ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
 """
-ADD_KEY_LEDGER = """
-INSERT INTO key_ledger (day, key, sent, billable) VALUES {values}
-ON CONFLICT (day, key) DO UPDATE SET
-    sent = sent + excluded.sent, billable = billable + excluded.billable
-"""
-ADD_LEDGER = """
-INSERT INTO ledger (day, endpoint, sent, billable) VALUES {values}
-ON CONFLICT (day, endpoint) DO UPDATE SET
-    sent = sent + excluded.sent, billable = billable + excluded.billable
-"""
+
+
+def _add_calls(table: str, what: str) -> str:
+    """Add a batch's calls to ``table`` (``ledger`` by endpoint, ``key_ledger`` by key)."""
+    return (f"INSERT INTO {table} (day, {what}, sent, billable) VALUES {{values}} "
+            f"ON CONFLICT (day, {what}) DO UPDATE SET sent = sent + excluded.sent, "
+            "billable = billable + excluded.billable")
+
+
+ADD_LEDGER = _add_calls("ledger", "endpoint")
+ADD_KEY_LEDGER = _add_calls("key_ledger", "key")
 
 
 def _storage_error(e: sqlite3.Error, path: Path, doing: str) -> StorageError:
@@ -443,13 +444,9 @@ class SqliteStore:
         if g.billed:
             self._db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
         if g.ledger:
-            _many(self._db, ADD_LEDGER, [(day, ep, n if what == "sent" else 0,
-                                          n if what == "billable" else 0)
-                                         for (day, ep, what), n in g.ledger.items()])
+            _many(self._db, ADD_LEDGER, call_rows(g.ledger))
         if g.keys:
-            _many(self._db, ADD_KEY_LEDGER, [(day, key, n if what == "sent" else 0,
-                                              n if what == "billable" else 0)
-                                             for (day, key, what), n in g.keys.items()])
+            _many(self._db, ADD_KEY_LEDGER, call_rows(g.keys))
         for rec in g.last:
             self._end_run(rec)
 
