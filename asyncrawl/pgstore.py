@@ -4,8 +4,9 @@
 many jobs; any number of ``asyncrawl run`` processes, on any number of machines, work on one
 job together. The job-queue pattern of pgqueuer and procrastinate:
 
-* **merge**: a process given IDs adds them to the job (``INSERT … ON CONFLICT DO NOTHING``, a
-  block of IDs per statement), while fetching already runs;
+* **merge**: a process given IDs adds them to the job (COPY, then one ``INSERT`` for a block
+  of IDs: plain while they are all new, ``ON CONFLICT DO NOTHING`` from the first that is
+  not), while fetching already runs;
 * **claim**: a process takes a batch of open IDs with ``SELECT … FOR UPDATE SKIP LOCKED`` and
   holds them under a **lease** (``lease_until``, on the database's clock, so hosts' clocks do
   not matter); its heartbeat extends the leases of what it holds; a dead process's leases run
@@ -219,6 +220,7 @@ class PgStore:
         self._conns = conns  # "writer" (the writer's thread), "work" (claims), "control"
         self._run: int | None = None
         self._gen = 0
+        self._merge_plain = True  # every ID merged so far was new to the job (see _merge)
         self._started = 0.0
         self._endpoint = ""
         self._dead = False
@@ -397,20 +399,31 @@ class PgStore:
         return await asyncio.to_thread(self._merge, list(ids))
 
     def _merge(self, ids: list[str]) -> int:
-        """COPY the chunk into a temporary table, then one ``INSERT … ON CONFLICT DO NOTHING``
-        (another run may be merging the same IDs)."""
+        """COPY the chunk into a temporary table, then one ``INSERT`` of its rows.
+
+        While every ID merged so far was new, a plain ``INSERT`` (in a savepoint): ~1.4 × as
+        fast as ``ON CONFLICT DO NOTHING``, whose speculative insertion probes the primary key
+        twice a row. The first ID the job already has (a rerun, an extended file, another run
+        merging the same file, a duplicate in the chunk) rolls that insert back, and this
+        chunk and every later one go in with ``ON CONFLICT DO NOTHING``."""
         text = "\n".join(ids) + "\n"
         if "\\" in text or "\t" in text or "\r" in text:  # COPY's text format escapes these
             text = text.replace("\\", "\\\\").replace("\t", "\\t").replace("\r", "\\r")
+        insert = ("INSERT INTO asyncrawl_items (job, id, generation) SELECT %s, id, %s "
+                  "FROM asyncrawl_merging ORDER BY id")
+        args = (self.job_name, self._gen)
         with self._db("work", "add IDs to the job") as db, db.transaction():
             db.execute("CREATE TEMP TABLE IF NOT EXISTS asyncrawl_merging (id text) "
                        "ON COMMIT DELETE ROWS")
             with db.cursor().copy("COPY asyncrawl_merging (id) FROM STDIN") as copy:
                 copy.write(text.encode("utf-8", "surrogatepass"))
-            cur = db.execute("INSERT INTO asyncrawl_items (job, id, generation) SELECT %s, id, %s "
-                             "FROM asyncrawl_merging ORDER BY id ON CONFLICT DO NOTHING",
-                             (self.job_name, self._gen))
-            return cur.rowcount
+            if self._merge_plain:
+                try:
+                    with db.transaction():  # a savepoint
+                        return db.execute(insert, args).rowcount
+                except _psycopg().errors.UniqueViolation:
+                    self._merge_plain = False
+            return db.execute(insert + " ON CONFLICT DO NOTHING", args).rowcount
 
     async def set_merging(self, merging: bool) -> None:
         """Say whether this run is still adding IDs (the job's pass 1 waits for every merge)."""

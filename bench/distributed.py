@@ -57,6 +57,17 @@ def config(work: Path, url: str, pg: str, job: str, ids: Path, concurrency: int,
     return path
 
 
+def drop_job(pg: str, job: str) -> None:
+    """Delete a bench job's rows: a database left holding millions of them slows every later
+    merge (the primary key grows), so that figures would depend on what ran before."""
+    import psycopg
+
+    with psycopg.connect(pg) as db:
+        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger",
+                      "asyncrawl_key_ledger", "asyncrawl_jobs"):
+            db.execute(f"DELETE FROM {table} WHERE job = %s", (job,))
+
+
 def crawl(work: Path, url: str, pg: str, ids: Path, processes: int, concurrency: int,
           rate: float, burst: int) -> tuple[float, list[int]]:
     """Run ``processes`` processes on a new job; (wall seconds, exit codes)."""
@@ -68,6 +79,7 @@ def crawl(work: Path, url: str, pg: str, ids: Path, processes: int, concurrency:
              for c in cfgs]
     errs = [p.communicate()[1] for p in procs]
     wall = time.perf_counter() - t0
+    drop_job(pg, job)
     for p, err in zip(procs, errs, strict=True):
         if p.returncode != 0:
             print(f"  exit {p.returncode}: {err.strip()[-800:]}", file=sys.stderr)
@@ -88,7 +100,8 @@ async def merge_rate(pg: str, n: int) -> float:
     from asyncrawl.pgstore import PgStore
     from asyncrawl.records import Record
 
-    store = await PgStore.open(pg, f"bench-merge-{uuid.uuid4().hex[:10]}")
+    job = f"bench-merge-{uuid.uuid4().hex[:10]}"
+    store = await PgStore.open(pg, job)
     try:
         store.commit([Record("run", extra={"version": "bench", "pid": os.getpid(), "job": None})])
         ids = [f"item-{i:09d}" for i in range(n)]
@@ -98,6 +111,7 @@ async def merge_rate(pg: str, n: int) -> float:
         return n / (time.perf_counter() - t0)
     finally:
         await store.close()
+        drop_job(pg, job)
 
 
 def main(argv: list[str] | None = None) -> int:

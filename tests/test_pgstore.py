@@ -278,22 +278,34 @@ asyncio.run(main())
 
 
 def test_merge_is_idempotent_and_fast_enough(job: str) -> None:
-    """Merging IDs into a job: the same ones twice add nothing (the rate is in bench/)."""
+    """Merging IDs into a job: the same ones twice add nothing (the rate is in bench/); a run
+    whose IDs the job partly has (another run's, a duplicate in its own chunk) adds only the
+    new ones, whether its plain insert of all-new IDs meets them first or not."""
     from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
 
-    async def go() -> tuple[int, int]:
+    async def opened() -> PgStore:
         store = await PgStore.open(PG, job)
-        try:
-            from asyncrawl.records import Record
+        store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+        return store
 
-            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+    async def go() -> tuple[int, ...]:
+        store, other = await opened(), await opened()
+        try:
             a = await store.merge([f"m{i}" for i in range(20_000)])
             b = await store.merge([f"m{i}" for i in range(10_000, 30_000)])
-            return a, b
+            c = await store.merge(["m1", "new-1", "new-1"])
+            # another run: its first chunk overlaps the job's IDs at its end only
+            d = await other.merge([f"o{i}" for i in range(5_000)] + ["m29999"])
+            e = await other.merge(["new-2", "new-2"])
+            return a, b, c, d, e
         finally:
             await store.close()
+            await other.close()
 
-    assert asyncio.run(go()) == (20_000, 10_000)
+    assert asyncio.run(go()) == (20_000, 10_000, 1, 5_000, 1)
+    assert pg_rows("SELECT count(*), count(DISTINCT id) FROM asyncrawl_items WHERE job = %s",
+                   job) == [(35_002, 35_002)]
 
 
 def test_the_readme_commands_for_several_machines_run(tmp_path: Path, job: str,
