@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,14 +24,16 @@ class Writer:
 
     Records are queued by ``put`` (or ``commit``, to wait until one is durable). The writer's
     own thread takes everything queued since its last write and hands it to ``store.commit``
-    (one transaction: group commit; two when ``ok`` results would hold back the intents that
-    requests wait for, see ``_intents_first``), then hands each committed part back to the
-    event loop, which resolves the ``commit`` futures and calls ``on_commit(records)``, in
-    commit order. fsync never blocks the
-    loop, and a commit costs the loop one wake-up, not a round trip per step. A batch that no
-    ``commit`` waits for first lingers up to ``linger`` seconds for more (until a ``commit``
-    arrives), so that results alone do not wake the thread for every record. On a storage error
-    ``on_error(exc)`` is called once and nothing is written after it.
+    (one transaction: group commit), then hands each committed part back to the event loop,
+    which resolves the ``commit`` futures and calls ``on_commit(records)``, in commit order.
+    fsync never blocks the loop, and a commit costs the loop one wake-up, not a round trip per
+    step. The ``ok`` results that nobody waits for are held back up to ``hold`` seconds (at
+    most ``hold_limit`` of them) and committed together, so that the ``sent`` intents, which
+    requests wait for, go in small transactions of their own instead of waiting behind the
+    payloads (``_hold_back``). A batch that no ``commit`` waits for lingers up to ``linger``
+    seconds for more (until a ``commit`` arrives), so that results alone do not wake the thread
+    for every record. On a storage error ``on_error(exc)`` is called once and nothing is
+    written after it.
     """
 
     def __init__(
@@ -41,14 +44,17 @@ class Writer:
         on_error: Callable[[StorageError], None],
         batch_limit: int = 1024,
         linger: float = 0.002,
+        hold: float = 0.02,
+        hold_limit: int = 256,
     ) -> None:
         self.store = store
         self.on_commit = on_commit
         self.on_error = on_error
         self.batch_limit = batch_limit
         self.linger = linger  # seconds a batch no one waits for may wait for company
-        self._lingering = False
-        self._hurry = threading.Event()  # a commit() arrived while the thread lingers
+        self.hold = hold  # seconds ok results may be held back behind intents (_hold_back)
+        self.hold_limit = min(hold_limit, batch_limit)
+        self._hurry = threading.Event()  # set by every commit() and by close()
         self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
@@ -73,13 +79,13 @@ class Writer:
             fut.set_result(False)
         else:
             self._queue.put((record, fut))
-            if self._lingering:
-                self._hurry.set()
+            self._hurry.set()
         return fut
 
     def close(self) -> None:
-        """Ask the writer to commit what is queued and stop."""
+        """Ask the writer to commit what is queued (and held back) and stop."""
         self._queue.put(None)
+        self._hurry.set()
 
     async def run(self) -> None:
         """Run the writer's thread until ``close``, and return once it has stopped. If this is
@@ -111,18 +117,36 @@ class Writer:
 
     def _main(self, done: asyncio.Future[None]) -> None:
         q = self._queue
+        held: list[_Entry] = []  # ok results held back, oldest first (see _hold_back)
+        due = 0.0  # when the oldest of them is to be committed
         try:
             stop = False
             while not stop:
-                batch: list[_Entry] = []
-                stop = self._take(batch, q.get())
-                if not stop and len(batch) < self.batch_limit \
-                        and all(fut is None for _, fut in batch) and self._linger():
-                    # Nobody waits for these: more gathered meanwhile, rather than a wake-up
-                    # (and the GIL taken from the event loop) for every record.
-                    stop = self._take(batch, q.get_nowait())
-                for part in _intents_first(batch):
-                    self._post(self._done, part, *self._write(part))
+                batch, held = held, []
+                carried = bool(batch)
+                if carried:  # wait for company until they are due, or a commit() arrives
+                    wait = due - time.monotonic()
+                    if wait > 0 and len(batch) < self.hold_limit:
+                        self._hurry.wait(wait)  # (records put() meanwhile do not wake it)
+                    self._hurry.clear()  # (set after a record is queued: none is missed)
+                    with contextlib.suppress(queue.Empty):
+                        stop = self._take(batch, q.get_nowait())
+                else:
+                    stop = self._take(batch, q.get())
+                    if not stop and len(batch) < self.batch_limit \
+                            and all(fut is None for _, fut in batch) and self._linger():
+                        # Nobody waits for these: more gathered meanwhile, rather than a
+                        # wake-up (and the GIL taken from the event loop) for every record.
+                        stop = self._take(batch, q.get_nowait())
+                now, later = _hold_back(batch)
+                if later and not stop and len(later) < self.hold_limit:
+                    if not carried:
+                        due = time.monotonic() + self.hold
+                    if time.monotonic() < due:
+                        held, later = later, []
+                for part in (now, later):
+                    if part:
+                        self._post(self._done, part, *self._write(part))
         finally:
             self._post(_resolve, done, None)
 
@@ -143,10 +167,8 @@ class Writer:
         """Wait up to ``linger`` seconds, less if a ``commit`` arrives; ``True`` if anything
         was queued meanwhile."""
         self._hurry.clear()
-        self._lingering = True
-        if self._queue.empty():  # (a commit() queued before the flag was up is seen here)
+        if self._queue.empty():  # (a commit() queued before the flag was cleared is seen here)
             self._hurry.wait(self.linger)
-        self._lingering = False
         return not self._queue.empty()
 
     def _write(self, batch: list[_Entry]) -> tuple[bool, StorageError | None]:
@@ -190,19 +212,19 @@ _Entry = tuple[Record, "asyncio.Future[bool] | None"]
 _BARRIERS = frozenset({"run", "mark", "halt", "end"})  # records about everything before them
 
 
-def _intents_first(batch: list[_Entry]) -> list[list[_Entry]]:
-    """The transactions a batch is committed in: one, or two when records somebody waits for
-    (the ``sent`` intents that hold requests back) share it with ``ok`` results nobody waits
-    for. Then the others go first, in a small transaction, so that the requests leave without
-    waiting for the payloads to be written, and the ``ok`` records follow in a second one.
-    That order is as good as the queue's: an ``ok`` is an ID's last record in a run, so no
-    record after it in the queue is about its ID, and a batch holding a record about
-    everything before it (run, mark, halt, end) is not split."""
-    deferred = [e for e in batch if e[0].kind == "ok" and e[1] is None]
-    if not deferred or len(deferred) == len(batch) or all(e[1] is None for e in batch) \
-            or any(e[0].kind in _BARRIERS for e in batch):
-        return [batch] if batch else []
-    return [[e for e in batch if e[0].kind != "ok" or e[1] is not None], deferred]
+def _hold_back(batch: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:
+    """What of a batch to commit now, and the ``ok`` results that nobody waits for, which may
+    be held back (up to ``hold`` seconds, ``hold_limit`` records) so that the ``sent`` intents
+    that requests wait for are committed in small transactions of their own instead of waiting
+    behind the payloads. That order is as good as the queue's: an ``ok`` is an ID's last record
+    in a run, so no record after it in the queue is about its ID, and a batch holding a record
+    about everything before it (run, mark, halt, end) is committed whole, held results first."""
+    if any(e[0].kind in _BARRIERS for e in batch):
+        return batch, []
+    later = [e for e in batch if e[1] is None and e[0].kind == "ok"]
+    if not later:
+        return batch, []
+    return [e for e in batch if e[1] is not None or e[0].kind != "ok"], later
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:

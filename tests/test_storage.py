@@ -4,7 +4,7 @@ fsyncs, in real processes.
 The faults are injected below SQLite, at the C library (``tests/faults/faultfs.c``, loaded with
 ``LD_PRELOAD`` into a real ``asyncrawl run`` or library process: its ``write``/``pwrite``/
 ``fsync``/``fdatasync`` of the WAL fail once the WAL has taken a given number of bytes); and once
-for real, on a 512 KiB tmpfs. Each time the job halts with exit 5 / ``halt.reason == "storage"``,
+for real, on a 2 MiB tmpfs. Each time the job halts with exit 5 / ``halt.reason == "storage"``,
 the message names the database and the error, every result handed on as committed is there, a
 paid answer whose record was lost is reported in doubt, and a rerun after the fault is gone
 completes without fetching anything that was committed.
@@ -146,7 +146,7 @@ def test_cli_exits_5_naming_the_database_and_a_rerun_completes(
     report = tmp_path / "faults.txt"
     r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg), "--no-progress"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env=fault_env(faultfs, state, where, err, 200_000, report))
+                       env=fault_env(faultfs, state, where, err, 800_000, report))
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "asyncrawl: stopped early" in r.stdout and "storage" in r.stdout
     message = f"{state / DB}: cannot write the state database: {SQLITE_SAYS[(where, err)]}"
@@ -198,12 +198,12 @@ def test_cli_cannot_create_the_database_exits_5_and_sends_nothing(
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Any:
-    """A 512 KiB tmpfs mounted at a temporary directory (root only)."""
+    """A 2 MiB tmpfs mounted at a temporary directory (root only)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root on Linux")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
@@ -216,7 +216,7 @@ def small_tmpfs(tmp_path: Path) -> Any:
 def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
         tmp_path: Path, mock_process: Any, small_tmpfs: Path) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "none", "--payload-bytes", "8192")
-    ids = [f"d{i:04d}" for i in range(200)]  # 200 x 8 KiB records: far more than 512 KiB
+    ids = [f"d{i:04d}" for i in range(400)]  # 400 x 8 KiB records: far more than 2 MiB
     state = small_tmpfs / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids))
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
@@ -226,7 +226,7 @@ def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
     assert message in r.stdout and message in r.stderr
     assert "Traceback" not in r.stderr
 
-    # readable; what was committed is there (how much fits before the WAL fills the 512 KiB
+    # readable; what was committed is there (how much fits before the WAL fills the 2 MiB
     # depends on how the records fell into transactions: at least the first results)
     durable = durable_ok_ids(state)
     assert 1 <= len(durable) < len(ids)

@@ -300,7 +300,7 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
     w.put(Record("ok", "a", ts=TS))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
-    while not w._lingering:  # the thread took "a" and waits for company
+    while not w._queue.empty():  # the thread took "a" and waits for company
         assert loop.time() < deadline
         await asyncio.sleep(0.001)
     w.put(Record("ok", "b", ts=TS))
@@ -314,6 +314,32 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
     # of its own, then the results nobody waits for
     assert batches == [["c"], ["a", "b"]]
     assert w.commits == 2
+
+
+async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) -> None:
+    """``ok`` results nobody waits for are held back (here for as long as the test runs) while
+    the intents that requests wait for are committed one batch after another without them;
+    a record about everything before it commits what was held first, in the same transaction;
+    ``close`` commits what is held."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit(RECORDS[:1])  # the run
+    batches: list[list[tuple[str, str | None]]] = []
+    w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+               on_error=print, linger=0, hold=3600)
+    task = asyncio.create_task(w.run())
+    w.put(Record("ok", "a", status=200, data={"n": 1}, paid=1, ts=TS))
+    assert await w.commit(Record("sent", "b", ts=TS)) is True
+    w.put(Record("ok", "b", status=200, data={"n": 2}, paid=1, ts=TS))
+    assert await w.commit(Record("sent", "c", ts=TS)) is True  # not behind "a" and "b"
+    assert await w.commit(Record("mark", extra={"pass": 1}, ts=TS)) is True
+    w.put(Record("ok", "c", status=200, data={"n": 3}, paid=1, ts=TS))
+    w.close()
+    await task
+    await store.close()
+    assert batches == [[("sent", "b")], [("sent", "c")],
+                       [("ok", "a"), ("ok", "b"), ("mark", None)], [("ok", "c")]]
+    assert read_store(state).snapshot().counts.ok == 3
 
 
 async def test_writer_commits_intents_before_results_unless_a_record_is_about_all(

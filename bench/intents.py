@@ -1,0 +1,126 @@
+"""How long a request waits for its ``sent`` intent, and what the writer's thread does meanwhile.
+
+Runs ``asyncrawl run`` in this process (asyncio's loop, a fresh state, durability and in-doubt
+on) against the bundled mock API in a process of its own, with ``--latency`` seconds added to
+every answer and the rate out of the way, and times, by wrapping the functions in place:
+
+* ``intent``: from a worker's ``Writer.commit(sent)`` to its future being resolved: the time
+  a request waits before it may leave;
+* ``queue wait``: from that call until the writer's thread starts the transaction holding it;
+* the store's transactions, by what they hold (intents only, ``ok`` results only, both), with
+  their wall time, the writer thread's CPU in them, and records per transaction;
+* ``attempt``: the request itself (``Fetcher.attempt``), for scale.
+
+Usage::
+
+    .venv/bin/python bench/intents.py [--ids 20000] [--latency 0.1] [--concurrency 100]
+
+A probe, not a throughput figure (the wrappers cost a little): compare its numbers between
+trees, not with ``latency.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * q))] * 1000 if values else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ids", type=int, default=20_000)
+    ap.add_argument("--latency", type=float, default=0.1)
+    ap.add_argument("--concurrency", type=int, default=100)
+    args = ap.parse_args()
+
+    import asyncrawl.cli
+    from asyncrawl import fetch, sqlstore, writer
+    from asyncrawl.testing import MockProcess
+
+    intent: list[float] = []
+    queued: dict[int, float] = {}
+    waits: list[float] = []
+    attempts: list[float] = []
+    commits: list[tuple[str, float, float, int]] = []  # (what, wall, thread CPU, records)
+
+    commit = writer.Writer.commit
+
+    def timed_commit(self: Any, rec: Any) -> Any:
+        fut = commit(self, rec)
+        t = time.perf_counter()
+        queued[id(rec)] = t
+        fut.add_done_callback(lambda _f: intent.append(time.perf_counter() - t))
+        return fut
+
+    store_commit = sqlstore.SqliteStore.commit
+
+    def timed_store_commit(self: Any, records: Any) -> None:
+        t, cpu = time.perf_counter(), time.thread_time()
+        for rec in records:
+            born = queued.pop(id(rec), None)
+            if born is not None:
+                waits.append(t - born)
+        store_commit(self, records)
+        kinds = {r.kind for r in records}
+        what = ("intents and results" if {"sent", "ok"} <= kinds else
+                "intents" if "sent" in kinds else "results" if "ok" in kinds else "other")
+        commits.append((what, time.perf_counter() - t, time.thread_time() - cpu, len(records)))
+
+    attempt = fetch.Fetcher.attempt
+
+    async def timed_attempt(self: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await attempt(self, *a, **k)
+        finally:
+            attempts.append(time.perf_counter() - t)
+
+    writer.Writer.commit = timed_commit  # type: ignore[method-assign]
+    sqlstore.SqliteStore.commit = timed_store_commit  # type: ignore[method-assign]
+    fetch.Fetcher.attempt = timed_attempt  # type: ignore[method-assign]
+
+    with tempfile.TemporaryDirectory(prefix="intents-") as tmp, \
+            MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
+                        str(args.latency)) as api:
+        ids = Path(tmp) / "ids.txt"
+        ids.write_text("".join(f"{i}\n" for i in range(args.ids)))
+        cfg = Path(tmp) / "intents.toml"
+        cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{api.url}/items/{{id}}"\n'
+                       f"[limits]\nconcurrency = {args.concurrency}\nrate = 1000000\n"
+                       f'burst = 100000\n[passes]\ncooldown = 0\n[state]\ndir = "{tmp}/state"\n')
+        os.environ["ASYNCRAWL_LOOP"] = "asyncio"
+        t0 = time.perf_counter()
+        code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
+        elapsed = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"asyncrawl run exited {code}")
+    print(f"{args.ids:,} IDs, latency {args.latency * 1000:g} ms, concurrency "
+          f"{args.concurrency}: {args.ids / elapsed:,.0f} req/s ({elapsed:.1f} s)")
+    for name, xs in (("intent (request waits)", intent), ("  of it: queue wait", waits),
+                     ("attempt (the request)", attempts)):
+        print(f"{name:<24} p50 {pct(xs, 0.5):7.2f} ms  p90 {pct(xs, 0.9):7.2f} ms")
+    busy = sum(c[1] for c in commits)
+    print(f"transactions: {len(commits):,}, writer busy in them {busy:.1f} s "
+          f"({busy / elapsed:.0%} of the run)")
+    for what in ("intents", "results", "intents and results", "other"):
+        sel = [c for c in commits if c[0] == what]
+        if sel:
+            print(f"  {what:<20} {len(sel):6,}  wall p50 {pct([c[1] for c in sel], 0.5):5.2f} ms"
+                  f"  CPU p50 {pct([c[2] for c in sel], 0.5):5.2f} ms"
+                  f"  records/txn {sum(c[3] for c in sel) / len(sel):5.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
