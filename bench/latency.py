@@ -16,7 +16,7 @@ each figure is given as a share of it. The timed section is the crawl (for ``cli
 Usage::
 
     .venv/bin/python bench/latency.py [--ids 10000] [--latency 0.1] [--concurrency 100]
-        [--rounds 3]
+        [--rounds 3] [--fsync-delay MS]
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def main() -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
+    ap.add_argument("--fsync-delay", type=float, default=0.0, metavar="MS",
+                    help="make every fsync of the crawls take MS ms longer (a network volume; "
+                         "bench/slowsync.c, needs a C compiler)")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps({"rps": worker(args.worker, args.url, args.ids, args.concurrency,
@@ -95,13 +98,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="latency-") as tmp, \
             MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
                         str(args.latency)) as api:
+        env = dict(os.environ)
+        if args.fsync_delay:
+            sys.path.insert(0, str(BENCH))
+            from slowdisk import preload
+
+            env.update(preload(args.fsync_delay, Path(tmp)))
         for rnd in range(1, args.rounds + 1):
             for kind in kinds:
                 work = Path(tempfile.mkdtemp(dir=tmp))
                 out = subprocess.run(
                     [sys.executable, __file__, "--worker", kind, "--url", api.url, "--ids",
                      str(args.ids), "--concurrency", str(args.concurrency), "--work", str(work)],
-                    capture_output=True, text=True)
+                    capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     raise SystemExit(f"{kind} failed:\n{out.stdout}\n{out.stderr}")
                 rps = json.loads(out.stdout.strip().splitlines()[-1])["rps"]

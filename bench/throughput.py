@@ -506,6 +506,10 @@ def driver_main(args: argparse.Namespace) -> int:
             tempfile.TemporaryDirectory(prefix="nginx-bench-") as nginx_dir,
             nginx_server(Path(nginx_dir)) as server,
         ):
+            if args.fsync_delay:  # the workers' fsyncs only (nginx is already running)
+                from slowdisk import preload
+
+                os.environ.update(preload(args.fsync_delay, Path(nginx_dir)))
             print(
                 f"nginx at {server.base} (workers {server.worker_pids}); "
                 f"{args.requests} requests, concurrency {args.concurrency}, "
@@ -622,6 +626,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fast", action="store_true",
                    help="also run cli-uvloop and baseline-uvloop (needs asyncrawl[fast])")
     p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--fsync-delay", type=float, default=0.0, metavar="MS",
+                   help="make every fsync of the workers take MS ms longer (a network volume; "
+                        "bench/slowsync.c, needs a C compiler)")
     p.add_argument("--state-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.rounds < 1 or args.warmup < 0:

@@ -1,0 +1,29 @@
+/* slowsync: make every fsync/fdatasync of a process take at least SLOWSYNC_US microseconds
+ * longer, as on a network volume (cloud block storage commits in 1-10 ms), for benchmarks of
+ * what a slower disk costs. Loaded with LD_PRELOAD (bench/latency.py --fsync-delay MS builds it).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+static useconds_t delay(void) {
+    const char *v = getenv("SLOWSYNC_US");
+    return v ? (useconds_t)atol(v) : 0;
+}
+
+int fsync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    int rc = real(fd);
+    usleep(delay());
+    return rc;
+}
+
+int fdatasync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    int rc = real(fd);
+    usleep(delay());
+    return rc;
+}
