@@ -79,6 +79,9 @@ _PASS = {
     1: "(state IS NULL OR (state IN ('failed', 'perm') AND generation < %(gen)s))",
     2: "(state IN ('failed', 'perm') AND generation = %(gen)s AND pass = 1)",
 }
+# every table that holds a job's rows (a job is deleted from each, by its ``job`` column)
+JOB_TABLES = ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger", "asyncrawl_key_ledger",
+              "asyncrawl_jobs")
 NOW = "extract(epoch from clock_timestamp())::float8"
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 
@@ -94,13 +97,13 @@ ALTER TABLE asyncrawl_jobs ADD COLUMN IF NOT EXISTS rate_cut double precision,
     ADD COLUMN IF NOT EXISTS breaker_until double precision,
     ADD COLUMN IF NOT EXISTS budget_gen integer,
     ADD COLUMN IF NOT EXISTS budget_taken bigint;
-ALTER TABLE asyncrawl_runs ADD COLUMN IF NOT EXISTS live jsonb;
 CREATE TABLE IF NOT EXISTS asyncrawl_runs (
     run bigserial PRIMARY KEY, job text NOT NULL, generation integer NOT NULL, host text,
     pid integer, version text, started double precision NOT NULL DEFAULT {NOW},
     heartbeat double precision NOT NULL DEFAULT {NOW}, merging boolean NOT NULL DEFAULT false,
     ended double precision, error text, halt_reason text, halt_status integer, halt_message text
 );
+ALTER TABLE asyncrawl_runs ADD COLUMN IF NOT EXISTS live jsonb;
 CREATE INDEX IF NOT EXISTS asyncrawl_runs_job ON asyncrawl_runs (job, ended);
 CREATE TABLE IF NOT EXISTS asyncrawl_items (
     job text NOT NULL, id text NOT NULL, state text, status integer, error text,

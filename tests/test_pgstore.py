@@ -56,9 +56,10 @@ def job() -> Iterator[str]:
     yield name
     import psycopg
 
+    from asyncrawl.pgstore import JOB_TABLES
+
     with psycopg.connect(PG) as db:
-        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger", "asyncrawl_key_ledger",
-                      "asyncrawl_jobs"):
+        for table in JOB_TABLES:
             if db.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None:
                 db.execute(f"DELETE FROM {table} WHERE job = %s", (name,))
 
@@ -611,3 +612,37 @@ def test_status_of_a_shared_job_shows_each_working_process(tmp_path: Path, job: 
         for p in procs:
             p.kill()
             p.communicate()
+
+
+def test_a_fresh_database_gets_the_whole_schema() -> None:
+    """The first open on a database without asyncrawl's tables creates all of them (the
+    machine's database already has them: a schema of the test's own stands for a new one)."""
+    import psycopg
+
+    from asyncrawl.pgstore import JOB_TABLES, PgStore
+    from asyncrawl.records import Record
+
+    schema = f"fresh_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG, autocommit=True) as db:
+        db.execute(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in PG else "?"
+    url = f"{PG}{sep}options=-csearch_path%3D{schema}"
+
+    async def go() -> int:
+        store = await PgStore.open(url, "fresh")
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            return await store.merge(["a", "b"])
+        finally:
+            await store.close()
+
+    try:
+        assert asyncio.run(go()) == 2
+        with psycopg.connect(PG) as db:
+            tables = {r[0] for r in db.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                (schema,))}
+        assert set(JOB_TABLES) <= tables
+    finally:
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"DROP SCHEMA {schema} CASCADE")
