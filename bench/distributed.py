@@ -62,9 +62,10 @@ def drop_job(pg: str, job: str) -> None:
     merge (the primary key grows), so that figures would depend on what ran before."""
     import psycopg
 
+    from asyncrawl.pgstore import JOB_TABLES
+
     with psycopg.connect(pg) as db:
-        for table in ("asyncrawl_items", "asyncrawl_runs", "asyncrawl_ledger",
-                      "asyncrawl_key_ledger", "asyncrawl_jobs"):
+        for table in JOB_TABLES:
             db.execute(f"DELETE FROM {table} WHERE job = %s", (job,))
 
 

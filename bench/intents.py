@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -43,6 +44,8 @@ def main() -> int:
     ap.add_argument("--latency", type=float, default=0.1)
     ap.add_argument("--concurrency", type=int, default=100)
     args = ap.parse_args()
+
+    from latency import write_job
 
     import asyncrawl.cli
     from asyncrawl import fetch, sqlstore, writer
@@ -93,12 +96,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="intents-") as tmp, \
             MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
                         str(args.latency)) as api:
-        ids = Path(tmp) / "ids.txt"
-        ids.write_text("".join(f"{i}\n" for i in range(args.ids)))
-        cfg = Path(tmp) / "intents.toml"
-        cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{api.url}/items/{{id}}"\n'
-                       f"[limits]\nconcurrency = {args.concurrency}\nrate = 1000000\n"
-                       f'burst = 100000\n[passes]\ncooldown = 0\n[state]\ndir = "{tmp}/state"\n')
+        cfg = write_job(Path(tmp), api.url, args.ids, args.concurrency)
         os.environ["ASYNCRAWL_LOOP"] = "asyncio"
         t0 = time.perf_counter()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])

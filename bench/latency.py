@@ -36,6 +36,18 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 
 
+def write_job(work: Path, url: str, n: int, concurrency: int) -> Path:
+    """The crawl's IDs file and config in ``work`` (state in ``work/state``, the rate out of
+    the way): the config's path."""
+    ids = work / "ids.txt"
+    ids.write_text("".join(f"{i}\n" for i in range(n)))
+    cfg = work / "latency.toml"
+    cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{url}/items/{{id}}"\n'
+                   f"[limits]\nconcurrency = {concurrency}\nrate = 1000000\nburst = 100000\n"
+                   f'[passes]\ncooldown = 0\n[state]\ndir = "{work / "state"}"\n')
+    return cfg
+
+
 def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
     """One timed run in this (fresh) process: requests per second."""
     if kind == "baseline":
@@ -49,12 +61,7 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         import asyncrawl.cli
 
         os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
-        ids = work / "ids.txt"
-        ids.write_text("".join(f"{i}\n" for i in range(n)))
-        cfg = work / "latency.toml"
-        cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{url}/items/{{id}}"\n'
-                       f"[limits]\nconcurrency = {concurrency}\nrate = 1000000\nburst = 100000\n"
-                       f'[passes]\ncooldown = 0\n[state]\ndir = "{work / "state"}"\n')
+        cfg = write_job(work, url, n, concurrency)
         t0 = time.perf_counter()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
         elapsed = time.perf_counter() - t0

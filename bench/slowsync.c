@@ -7,23 +7,21 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-static useconds_t delay(void) {
+/* the real call's result, SLOWSYNC_US microseconds later */
+static int slowed(int rc) {
     const char *v = getenv("SLOWSYNC_US");
-    return v ? (useconds_t)atol(v) : 0;
+    if (v) usleep((useconds_t)atol(v));
+    return rc;
 }
 
 int fsync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
-    int rc = real(fd);
-    usleep(delay());
-    return rc;
+    return slowed(real(fd));
 }
 
 int fdatasync(int fd) {
     static int (*real)(int);
     if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
-    int rc = real(fd);
-    usleep(delay());
-    return rc;
+    return slowed(real(fd));
 }
