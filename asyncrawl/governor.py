@@ -179,10 +179,7 @@ class RateController:
         answered = self._accepted + self._limited
         share, self._episode_share = self._episode_share, 0.0
         if share <= self._noise():
-            # background 429s (see the class docstring): start counting afresh, change nothing
-            self._decide_at = self._since = None
-            self._sent = self._accepted = self._limited = 0
-            self._paused = 0.0
+            self._new_episode()  # background 429s (see the class docstring): change nothing
             return
         wall = max(now - (self._since if self._since is not None else now), 0.05)
         if self._steady:
@@ -202,23 +199,22 @@ class RateController:
             target = 0.95 * quota
         self.rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
         self._last_cut = self._last_raise = now
+        self._new_episode()
+        self.cuts += 1
+
+    def _new_episode(self) -> None:
+        """Start counting afresh: no episode open, nothing sent, accepted or refused."""
         self._decide_at = self._since = None
         self._sent = self._accepted = self._limited = 0
         self._paused = 0.0
-        self.cuts += 1
 
-    def adopt(self, rate: float, ceiling: float | None, now: float) -> None:
+    def adopt(self, rate: float, now: float) -> None:
         """Another process of a shared job cut the job's rate: take ``rate`` (this process's
-        share of it) if lower, and its quota estimate ``ceiling`` (climb slowly near it). Not
-        counted as a cut of this controller's own."""
+        share of it) if lower. Not counted as a cut of this controller's own."""
         if rate < self.rate:
             self.rate = max(self.min_rate, rate)
             self._last_cut = self._last_raise = now
-            self._decide_at = self._since = None
-            self._sent = self._accepted = self._limited = 0
-            self._paused = 0.0
-        if ceiling is not None:
-            self.ceiling = max(ceiling, self.min_rate)
+            self._new_episode()
 
     def _maybe_raise(self, now: float) -> None:
         if self.rate >= self.max_rate or self._decide_at is not None:
@@ -505,9 +501,9 @@ class Governor:
         job cut to) as the effective rate, if lower. With one key only: with several, each
         key's quota is its own, and another process's cut of one key says nothing of the
         others (``Heartbeat`` neither publishes nor adopts then)."""
-        c = self.lanes[0].controller
+        c = self.controller
         if self._single and c is not None:
-            c.adopt(rate, None, self._loop.time())
+            c.adopt(rate, self._loop.time())
 
     def retire(self, lane: int) -> int:
         """The key of ``lane`` was refused: no request goes out with it again. Returns how many

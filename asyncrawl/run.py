@@ -96,7 +96,6 @@ class Run:
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
         self._session: aiohttp.ClientSession | None = None
-        self._shared_store: PgStore | None = None
         self.budget: Budget | None = None
 
     def __repr__(self) -> str:
@@ -159,7 +158,7 @@ class Run:
         cfg = self.config
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
-        shared = self._shared_store = store if isinstance(store, PgStore) else None
+        shared = store if isinstance(store, PgStore) else None
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every,
@@ -183,7 +182,7 @@ class Run:
                 job.start(self._merge(shared, source))
                 await self._passes(self._claimed(job, 1, writer), session, writer,
                                    second=lambda: self._claimed(job, 2, writer),
-                                   second_left=lambda: shared.pass_left(2))
+                                   second_left=lambda: shared.pass_left(2), shared=shared)
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -194,7 +193,7 @@ class Run:
             try:
                 if job is not None:
                     await job.close()
-                    if self.budget is not None and self.budget.unspent:
+                    if self.budget is not None:
                         with contextlib.suppress(StorageError):  # (lost: the job stops short)
                             await job.store.return_budget(self.budget.unspent)
                 await self._close(writer, writer_task, ticker, error)
@@ -213,16 +212,17 @@ class Run:
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
                       writer: Writer,
                       second: Callable[[], AsyncIterator[Chunk]] | None = None,
-                      second_left: Callable[[], Awaitable[bool]] | None = None) -> None:
+                      second_left: Callable[[], Awaitable[bool]] | None = None,
+                      shared: PgStore | None = None) -> None:
         """Pass 1, then, after the cool-down, pass 2 over what failed: this run's failures, or
-        (``second``: a shared job's) the job's, if ``second_left()`` says there are any."""
+        (``second``: a shared job's) the job's, if ``second_left()`` says there are any.
+        ``shared``: the store of a shared job (its budget is the job's)."""
         cfg, hooks = self.config, self.hooks
         self._session = session
         self.governor = Governor(
             rate=cfg.rate, burst=cfg.burst or 1, adaptive=cfg.adaptive,
             breaker=Breaker(probe_max=cfg.breaker_probe_max) if cfg.breaker else None,
             keys=len(cfg.keys) or 1)
-        shared = self._shared_store
         limit = cfg.request_budget
         # a shared job's budget is the job's: each run takes it from the job, a chunk at a time
         grant = (lambda n: shared.grant_budget(n, limit)) \
