@@ -3,11 +3,12 @@ fsyncs, in real processes.
 
 The faults are injected below SQLite, at the C library (``tests/faults/faultfs.c``, loaded with
 ``LD_PRELOAD`` into a real ``asyncrawl run`` or library process: its ``write``/``pwrite``/
-``fsync``/``fdatasync`` of the WAL fail once the WAL has taken a given number of bytes); and once
-for real, on a 2 MiB tmpfs. Each time the job halts with exit 5 / ``halt.reason == "storage"``,
-the message names the database and the error, every result handed on as committed is there, a
-paid answer whose record was lost is reported in doubt, and a rerun after the fault is gone
-completes without fetching anything that was committed.
+``fsync``/``fdatasync`` of the WAL fail, armed by the test once it has seen results committed,
+so that how the records fell into transactions cannot decide whether anything was); and once
+for real, on a tmpfs filled up while the run goes. Each time the job halts with exit 5 /
+``halt.reason == "storage"``, the message names the database and the error, every result
+handed on as committed is there, a paid answer whose record was lost is reported in doubt, and
+a rerun after the fault is gone completes without fetching anything that was committed.
 
 After a failed *fsync*, whether the last transaction reached the disk is unknown (it may have:
 its WAL frames were written). The run counts it as not committed; a rerun finds it either
@@ -30,7 +31,7 @@ import pytest
 from asyncrawl.sqlstore import DB
 
 from .conftest import KEY, ROOT, cli, write_config, write_ids
-from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, starts, status_json
+from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, popen_cli, starts, status_json, wait_until
 
 ERRORS = [pytest.param(errno.ENOSPC, id="ENOSPC"), pytest.param(errno.EIO, id="EIO")]
 SQLITE_SAYS = {("write", errno.ENOSPC): "database or disk is full",
@@ -58,6 +59,25 @@ def fault_env(shim: Path, state: Path, where: str, err: int, after: int,
             "FAULTFS_AFTER": str(after), "FAULTFS_ERRNO": str(err), "FAULTFS_REPORT": str(report)}
 
 
+def run_faulted(tmp_path: Path, cmd: list[str], env: dict[str, str], state: Path,
+                committed: int) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` under the shim and arm its fault once ``committed`` results are durable."""
+    arm = tmp_path / "arm"
+    out, err = tmp_path / "faulted.out", tmp_path / "faulted.err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=ROOT,
+                                env={**env, "FAULTFS_ARM": str(arm)})
+    try:
+        wait_until(lambda: len(durable_ok_ids(state)) >= committed, proc)
+        arm.touch()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
+
+
 def tripped(report: Path) -> list[str]:
     return report.read_text().splitlines() if report.exists() else []
 
@@ -70,7 +90,7 @@ from asyncrawl import Config, Crawler
 
 async def main():
     url, state, key, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    cfg = Config(url=url, state_dir=state, headers={"X-Api-Key": key}, rate=2000.0, burst=200,
+    cfg = Config(url=url, state_dir=state, headers={"X-Api-Key": key}, rate=400.0, burst=10,
                  concurrency=8, max_tries=3, backoff_base=0.01, backoff_max=0.05, cooldown=0.0,
                  timeout=5.0, grace=2.0)
     results = []
@@ -92,9 +112,8 @@ def test_storage_fault_halts_keeps_what_was_committed_and_a_rerun_completes(
     state = tmp_path / "state"
     n = 400
     report = tmp_path / "faults.txt"
-    r = subprocess.run([sys.executable, "-c", LIBRARY_RUN, mock.item_url, str(state), KEY, str(n)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env=fault_env(faultfs, state, where, err, 800_000, report))
+    r = run_faulted(tmp_path, [sys.executable, "-c", LIBRARY_RUN, mock.item_url, str(state), KEY,
+                               str(n)], fault_env(faultfs, state, where, err, 0, report), state, 11)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["halt"]["reason"] == "storage" and out["exit"] == 5
@@ -142,11 +161,12 @@ def test_cli_exits_5_naming_the_database_and_a_rerun_completes(
     mock = mock_process("--api-key", KEY, "--faults", "none", "--payload-bytes", "4096")
     ids = [f"c{i:04d}" for i in range(300)]
     state = tmp_path / "state"
-    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids))
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"rate": 300, "burst": 10})
     report = tmp_path / "faults.txt"
-    r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg), "--no-progress"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env=fault_env(faultfs, state, where, err, 800_000, report))
+    r = run_faulted(tmp_path, [sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
+                               "--no-progress"], fault_env(faultfs, state, where, err, 0, report),
+                    state, 1)
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "asyncrawl: stopped early" in r.stdout and "storage" in r.stdout
     message = f"{state / DB}: cannot write the state database: {SQLITE_SAYS[(where, err)]}"
@@ -198,12 +218,12 @@ def test_cli_cannot_create_the_database_exits_5_and_sends_nothing(
 
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Any:
-    """A 2 MiB tmpfs mounted at a temporary directory (root only)."""
+    """A 16 MiB tmpfs mounted at a temporary directory (root only)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root on Linux")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
@@ -213,28 +233,52 @@ def small_tmpfs(tmp_path: Path) -> Any:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def fill(path: Path) -> None:
+    """Write zeros to ``path`` until the file system is full."""
+    chunk = bytes(1 << 16)
+    with path.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        try:  # the last partial page
+            while True:
+                f.write(b"\0" * 512)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
 def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
         tmp_path: Path, mock_process: Any, small_tmpfs: Path) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "none", "--payload-bytes", "8192")
-    ids = [f"d{i:04d}" for i in range(400)]  # 400 x 8 KiB records: far more than 2 MiB
+    ids = [f"d{i:04d}" for i in range(400)]  # 400 x 8 KiB records
     state = small_tmpfs / "state"
-    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids))
-    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
-    assert r.returncode == 5, (r.stdout, r.stderr)
-    assert "asyncrawl: stopped early" in r.stdout and "storage" in r.stdout
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"rate": 200, "burst": 10})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    try:  # the disk fills up (something else takes the space) once results are committed
+        wait_until(lambda: len(durable_ok_ids(state)) >= 1, proc)
+        ballast = small_tmpfs / "ballast"
+        fill(ballast)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stdout, stderr = (tmp_path / "run.out").read_text(), (tmp_path / "run.err").read_text()
+    assert proc.returncode == 5, (stdout, stderr)
+    assert "asyncrawl: stopped early" in stdout and "storage" in stdout
     message = f"{state / DB}: cannot write the state database: database or disk is full"
-    assert message in r.stdout and message in r.stderr
-    assert "Traceback" not in r.stderr
+    assert message in stdout and message in stderr
+    assert "Traceback" not in stderr
 
-    # readable; what was committed is there (how much fits before the WAL fills the 2 MiB
-    # depends on how the records fell into transactions: at least the first results)
-    durable = durable_ok_ids(state)
+    durable = durable_ok_ids(state)  # readable; what was committed is there
     assert 1 <= len(durable) < len(ids)
     first_log = mock.settled_log()
     assert durable <= set(answers(first_log))
 
-    # free space: the same directory, now with room
-    subprocess.run(["mount", "-o", "remount,size=64m", str(small_tmpfs)], check=True)
+    ballast.unlink()  # free space: the same directory, now with room
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
     assert r.returncode == 0, r.stderr
     log = mock.settled_log()

@@ -6,6 +6,8 @@
  *                   full disk does) or "fsync" (the first fsync/fdatasync after FAULTFS_AFTER
  *                   bytes were written fails; the data was written)
  *   FAULTFS_AFTER   bytes written to the file before the fault
+ *   FAULTFS_ARM     optional: a path; the bytes are counted only once a file exists there (a
+ *                   test creates it when it has seen what it wants committed before the fault)
  *   FAULTFS_ERRNO   the error (28 ENOSPC, 5 EIO)
  *   FAULTFS_REPORT  a file to which a line "tripped N after M" is appended at exit
  * Once tripped, every later write/fsync of the file fails too (and is counted: a writer must not
@@ -20,7 +22,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
-static const char *suffix;
+static const char *suffix, *arm;
 static int where_write, where_fsync, err;
 static long long after = -1, written;
 static int tripped, calls_after;
@@ -39,6 +41,7 @@ __attribute__((constructor)) static void init(void) {
     const char *w = getenv("FAULTFS_WHERE");
     where_write = w && !strcmp(w, "write");
     where_fsync = w && !strcmp(w, "fsync");
+    arm = getenv("FAULTFS_ARM");
     if (getenv("FAULTFS_AFTER")) after = atoll(getenv("FAULTFS_AFTER"));
     err = getenv("FAULTFS_ERRNO") ? atoi(getenv("FAULTFS_ERRNO")) : EIO;
     atexit(report);
@@ -52,7 +55,12 @@ static int ours(int fd) {
     if (n <= 0) return 0;
     path[n] = 0;
     size_t l = strlen(suffix);
-    return (size_t)n >= l && strcmp(path + n - l, suffix) == 0;
+    if ((size_t)n < l || strcmp(path + n - l, suffix) != 0) return 0;
+    if (arm) {  /* not armed yet: the file is left alone */
+        if (access(arm, F_OK) != 0) return 0;
+        arm = NULL;
+    }
+    return 1;
 }
 
 /* how much of a write of `count` bytes to let through; -1: fail it now */
