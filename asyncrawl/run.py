@@ -38,7 +38,7 @@ from ._version import __version__
 from .alerts import send_alerts
 from .config import Config, key_fingerprint
 from .errors import JobMismatch, StorageError
-from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request
+from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request, keep_reads_off_mmap
 from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
@@ -156,6 +156,7 @@ class Run:
         """Fetch every unsettled ID of ``source`` (an IDs file, or chunks of IDs) into
         ``store``."""
         cfg = self.config
+        keep_reads_off_mmap()
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
         shared = store if isinstance(store, PgStore) else None

@@ -545,3 +545,45 @@ async def test_numeric_header_values_are_sent_as_text(server: Server, session: a
     assert a.outcome is Outcome.OK, a
     assert a.data["headers"]["X-Version"] == "2"
     assert a.data["headers"]["X-Ratio"] == "1.5"
+
+
+# -- the allocator regime of socket reads ----------------------------------------------------
+
+MMAPPED_READ = """
+import ctypes, json, sys
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL(None)
+if not hasattr(libc, "mallinfo2"):
+    print(json.dumps(None)); sys.exit()
+libc.mallinfo2.restype = MallInfo2
+
+def mmapped_read() -> int:
+    before = libc.mallinfo2().hblks
+    buffer = bytes(256 * 1024)  # what asyncio's selector transport allocates for a read
+    n = libc.mallinfo2().hblks - before
+    del buffer
+    return n
+
+from asyncrawl.fetch import keep_reads_off_mmap
+was = mmapped_read()
+keep_reads_off_mmap()
+print(json.dumps([was, mmapped_read()]))
+"""
+
+
+def test_socket_read_buffers_come_from_the_heap_not_from_mmap() -> None:
+    """A fresh process (glibc): after ``keep_reads_off_mmap`` a read buffer is not an mmap."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", MMAPPED_READ], capture_output=True, text=True,
+                       timeout=60, check=True)
+    counts = orjson.loads(r.stdout)
+    if counts is None:
+        pytest.skip("not glibc (no mallinfo2): its mmap threshold does not apply")
+    before, after = counts
+    assert after == 0, f"a 256 KiB read buffer was still mmapped ({before} before the call)"
