@@ -191,7 +191,7 @@ def worker_main(args: argparse.Namespace) -> int:
     if not args.worker.startswith("baseline"):
         import asyncrawl.cli  # (the cli kind calls it; imported for both asyncrawl kinds)
     else:  # the allocator regime asyncrawl sets for its reads (fetch.keep_reads_off_mmap),
-        block = bytes(1 << 20)  # so that the baseline does not pay three system calls a read
+        block = bytes(384 * 1024)  # so that the baseline does not pay 3 system calls a read
         del block
 
     async def timed() -> tuple[int, float, float]:

@@ -68,7 +68,10 @@ def run_faulted(tmp_path: Path, cmd: list[str], env: dict[str, str], state: Path
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=ROOT,
                                 env={**env, "FAULTFS_ARM": str(arm)})
     try:
-        wait_until(lambda: len(durable_ok_ids(state)) >= committed, proc)
+        try:
+            wait_until(lambda: len(durable_ok_ids(state)) >= committed, proc)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; its stderr: {err.read_text()[-2000:]}") from None
         arm.touch()
         proc.wait(timeout=120)
     finally:
@@ -90,7 +93,7 @@ from asyncrawl import Config, Crawler
 
 async def main():
     url, state, key, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    cfg = Config(url=url, state_dir=state, headers={"X-Api-Key": key}, rate=400.0, burst=10,
+    cfg = Config(url=url, state_dir=state, headers={"X-Api-Key": key}, rate=100.0, burst=10,
                  concurrency=8, max_tries=3, backoff_base=0.01, backoff_max=0.05, cooldown=0.0,
                  timeout=5.0, grace=2.0)
     results = []
@@ -162,7 +165,7 @@ def test_cli_exits_5_naming_the_database_and_a_rerun_completes(
     ids = [f"c{i:04d}" for i in range(300)]
     state = tmp_path / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
-                       limits={"rate": 300, "burst": 10})
+                       limits={"rate": 100, "burst": 10})  # ~3 s: the arm comes well before the end
     report = tmp_path / "faults.txt"
     r = run_faulted(tmp_path, [sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
                                "--no-progress"], fault_env(faultfs, state, where, err, 0, report),
@@ -255,11 +258,13 @@ def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
     ids = [f"d{i:04d}" for i in range(400)]  # 400 x 8 KiB records
     state = small_tmpfs / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
-                       limits={"rate": 200, "burst": 10})
+                       limits={"rate": 100, "burst": 10})  # ~4 s: the fill comes well before the end
     proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
     try:  # the disk fills up (something else takes the space) once results are committed
         wait_until(lambda: len(durable_ok_ids(state)) >= 1, proc)
         ballast = small_tmpfs / "ballast"
+        # Filled this early the WAL is far below its first restart (1,000 frames of 8 KiB), so
+        # every later frame needs new space and the database cannot grow by a checkpoint either.
         fill(ballast)
         proc.wait(timeout=120)
     finally:

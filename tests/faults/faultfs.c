@@ -56,9 +56,10 @@ static int ours(int fd) {
     path[n] = 0;
     size_t l = strlen(suffix);
     if ((size_t)n < l || strcmp(path + n - l, suffix) != 0) return 0;
-    if (arm) {  /* not armed yet: the file is left alone */
-        if (access(arm, F_OK) != 0) return 0;
-        arm = NULL;
+    const char *a = __atomic_load_n(&arm, __ATOMIC_ACQUIRE);
+    if (a) {  /* not armed yet: the file is left alone */
+        if (access(a, F_OK) != 0) return 0;
+        __atomic_store_n(&arm, NULL, __ATOMIC_RELEASE);
     }
     return 1;
 }
