@@ -9,6 +9,8 @@ import contextlib
 import gzip
 import random
 import socket
+import subprocess
+import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -582,9 +584,6 @@ print(json.dumps([*was, mmapped_read()]))
 def test_socket_read_buffers_come_from_the_heap_not_from_mmap() -> None:
     """A fresh process (glibc): reads as asyncio does them are mmaps until
     ``keep_reads_off_mmap``, and come from the heap after it."""
-    import subprocess
-    import sys
-
     r = subprocess.run([sys.executable, "-c", MMAPPED_READ], capture_output=True, text=True,
                        timeout=60, check=True)
     counts = orjson.loads(r.stdout)

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import pytest
 from asyncrawl.sqlstore import DB
 
 from .conftest import KEY, ROOT, cli, write_config, write_ids
-from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, popen_cli, starts, status_json, wait_until
+from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, starts, status_json, wait_until
 
 ERRORS = [pytest.param(errno.ENOSPC, id="ENOSPC"), pytest.param(errno.EIO, id="EIO")]
 SQLITE_SAYS = {("write", errno.ENOSPC): "database or disk is full",
@@ -52,33 +53,41 @@ def faultfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def fault_env(shim: Path, state: Path, where: str, err: int, after: int,
-              report: Path) -> dict[str, str]:
+def fault_env(shim: Path, state: Path, where: str, err: int, report: Path) -> dict[str, str]:
+    """The shim in a child's environment: the WAL's next write (or fsync) fails (once armed,
+    where the test arms it)."""
     return {**os.environ, **ENV, "LD_PRELOAD": str(shim),
             "FAULTFS_SUFFIX": f"/{state.name}/{DB}-wal", "FAULTFS_WHERE": where,
-            "FAULTFS_AFTER": str(after), "FAULTFS_ERRNO": str(err), "FAULTFS_REPORT": str(report)}
+            "FAULTFS_AFTER": "0", "FAULTFS_ERRNO": str(err), "FAULTFS_REPORT": str(report)}
 
 
-def run_faulted(tmp_path: Path, cmd: list[str], env: dict[str, str], state: Path,
-                committed: int) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` under the shim and arm its fault once ``committed`` results are durable."""
-    arm = tmp_path / "arm"
+def run_until_committed(tmp_path: Path, cmd: list[str], env: dict[str, str], state: Path,
+                        committed: int, then: Callable[[], None]) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd``; once ``committed`` results are durable, call ``then`` (the fault comes);
+    wait for the end."""
     out, err = tmp_path / "faulted.out", tmp_path / "faulted.err"
     with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=ROOT,
-                                env={**env, "FAULTFS_ARM": str(arm)})
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, cwd=ROOT, env=env)
     try:
         try:
             wait_until(lambda: len(durable_ok_ids(state)) >= committed, proc)
         except AssertionError as e:
             raise AssertionError(f"{e}; its stderr: {err.read_text()[-2000:]}") from None
-        arm.touch()
+        then()
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
+
+
+def run_faulted(tmp_path: Path, cmd: list[str], env: dict[str, str], state: Path,
+                committed: int) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` under the shim and arm its fault once ``committed`` results are durable."""
+    arm = tmp_path / "arm"
+    return run_until_committed(tmp_path, cmd, {**env, "FAULTFS_ARM": str(arm)}, state,
+                               committed, arm.touch)
 
 
 def tripped(report: Path) -> list[str]:
@@ -116,7 +125,7 @@ def test_storage_fault_halts_keeps_what_was_committed_and_a_rerun_completes(
     n = 400
     report = tmp_path / "faults.txt"
     r = run_faulted(tmp_path, [sys.executable, "-c", LIBRARY_RUN, mock.item_url, str(state), KEY,
-                               str(n)], fault_env(faultfs, state, where, err, 0, report), state, 11)
+                               str(n)], fault_env(faultfs, state, where, err, report), state, 11)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["halt"]["reason"] == "storage" and out["exit"] == 5
@@ -168,7 +177,7 @@ def test_cli_exits_5_naming_the_database_and_a_rerun_completes(
                        limits={"rate": 100, "burst": 10})  # ~3 s: the arm comes well before the end
     report = tmp_path / "faults.txt"
     r = run_faulted(tmp_path, [sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
-                               "--no-progress"], fault_env(faultfs, state, where, err, 0, report),
+                               "--no-progress"], fault_env(faultfs, state, where, err, report),
                     state, 1)
     assert r.returncode == 5, (r.stdout, r.stderr)
     assert "asyncrawl: stopped early" in r.stdout and "storage" in r.stdout
@@ -201,7 +210,7 @@ def test_cli_cannot_create_the_database_exits_5_and_sends_nothing(
     state = tmp_path / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state,
                        write_ids(tmp_path / "ids.txt", ["a", "b", "c"]))
-    env = {**fault_env(faultfs, state, "fsync", errno.EIO, 0, tmp_path / "faults.txt"),
+    env = {**fault_env(faultfs, state, "fsync", errno.EIO, tmp_path / "faults.txt"),
            "FAULTFS_SUFFIX": f"/{state.name}/{DB}.new"}  # the new database's first fsync fails
     r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg), "--no-progress"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
@@ -237,19 +246,14 @@ def small_tmpfs(tmp_path: Path) -> Any:
 
 
 def fill(path: Path) -> None:
-    """Write zeros to ``path`` until the file system is full."""
-    chunk = bytes(1 << 16)
+    """Write zeros to ``path`` until the file system is full (big blocks, then the rest)."""
     with path.open("wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-        try:  # the last partial page
-            while True:
-                f.write(b"\0" * 512)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
+        for block in (bytes(1 << 16), bytes(512)):
+            try:
+                while True:
+                    f.write(block)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
 
 
 def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
@@ -259,20 +263,15 @@ def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
     state = small_tmpfs / "state"
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
                        limits={"rate": 100, "burst": 10})  # ~4 s: the fill comes well before the end
-    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
-    try:  # the disk fills up (something else takes the space) once results are committed
-        wait_until(lambda: len(durable_ok_ids(state)) >= 1, proc)
-        ballast = small_tmpfs / "ballast"
-        # Filled this early the WAL is far below its first restart (1,000 frames of 8 KiB), so
-        # every later frame needs new space and the database cannot grow by a checkpoint either.
-        fill(ballast)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    stdout, stderr = (tmp_path / "run.out").read_text(), (tmp_path / "run.err").read_text()
-    assert proc.returncode == 5, (stdout, stderr)
+    # The disk fills up (something else takes the space) once results are committed. Filled
+    # this early, the WAL is far below its first restart (1,000 frames of 8 KiB): every later
+    # frame needs new space, and the database cannot grow by a checkpoint either.
+    ballast = small_tmpfs / "ballast"
+    r = run_until_committed(tmp_path, [sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
+                                       "--no-progress"], {**os.environ, **ENV}, state, 1,
+                            lambda: fill(ballast))
+    stdout, stderr = r.stdout, r.stderr
+    assert r.returncode == 5, (stdout, stderr)
     assert "asyncrawl: stopped early" in stdout and "storage" in stdout
     message = f"{state / DB}: cannot write the state database: database or disk is full"
     assert message in stdout and message in stderr
