@@ -9,11 +9,15 @@ every answer and the rate out of the way, and times, by wrapping the functions i
 * ``queue wait``: from that call until the writer's thread starts the transaction holding it;
 * the store's transactions, by what they hold (intents only, ``ok`` results only, both), with
   their wall time, the writer thread's CPU in them, and records per transaction;
-* ``attempt``: the request itself (``Fetcher.attempt``), for scale.
+* ``attempt``: the request itself (``Fetcher.attempt``), for scale;
+* how busy the event loop's thread was (its CPU time over the run's wall time): below ~100 %
+  at the stack's limit, the rest is the loop waiting, for intents among other things.
 
 Usage::
 
-    .venv/bin/python bench/intents.py [--ids 20000] [--latency 0.1] [--concurrency 100]
+    .venv/bin/python bench/intents.py [--ids 20000] [--latency 0.1] [--concurrency 100] [--nginx]
+
+``--nginx``: against ``throughput.py``'s nginx instead (static answers: the stack's limit).
 
 A probe, not a throughput figure (the wrappers cost a little): compare its numbers between
 trees, not with ``latency.py``'s.
@@ -22,6 +26,7 @@ trees, not with ``latency.py``'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -43,6 +48,8 @@ def main() -> int:
     ap.add_argument("--ids", type=int, default=20_000)
     ap.add_argument("--latency", type=float, default=0.1)
     ap.add_argument("--concurrency", type=int, default=100)
+    ap.add_argument("--nginx", action="store_true",
+                    help="against throughput.py's nginx (the stack's limit) instead of the mock API")
     args = ap.parse_args()
 
     from latency import write_job
@@ -93,18 +100,28 @@ def main() -> int:
     sqlstore.SqliteStore.commit = timed_store_commit  # type: ignore[method-assign]
     fetch.Fetcher.attempt = timed_attempt  # type: ignore[method-assign]
 
-    with tempfile.TemporaryDirectory(prefix="intents-") as tmp, \
-            MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
-                        str(args.latency)) as api:
-        cfg = write_job(Path(tmp), api.url, args.ids, args.concurrency)
+    with tempfile.TemporaryDirectory(prefix="intents-") as tmp, contextlib.ExitStack() as stack:
+        if args.nginx:
+            from throughput import nginx_server
+
+            server = stack.enter_context(nginx_server(Path(tmp)))
+            url = server.base
+        else:
+            api = stack.enter_context(MockProcess(
+                Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
+                str(args.latency)))
+            url = api.url
+        cfg = write_job(Path(tmp), url, args.ids, args.concurrency)
         os.environ["ASYNCRAWL_LOOP"] = "asyncio"
-        t0 = time.perf_counter()
+        t0, loop_cpu = time.perf_counter(), time.thread_time()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
-        elapsed = time.perf_counter() - t0
+        elapsed, loop_cpu = time.perf_counter() - t0, time.thread_time() - loop_cpu
     if code != 0:
         raise SystemExit(f"asyncrawl run exited {code}")
-    print(f"{args.ids:,} IDs, latency {args.latency * 1000:g} ms, concurrency "
-          f"{args.concurrency}: {args.ids / elapsed:,.0f} req/s ({elapsed:.1f} s)")
+    server = "nginx (the stack's limit)" if args.nginx else f"latency {args.latency * 1000:g} ms"
+    print(f"{args.ids:,} IDs, {server}, concurrency "
+          f"{args.concurrency}: {args.ids / elapsed:,.0f} req/s ({elapsed:.1f} s); the event "
+          f"loop's thread busy {loop_cpu / elapsed:.0%} ({loop_cpu / args.ids * 1e6:.0f} us CPU a request)")
     for name, xs in (("intent (request waits)", intent), ("  of it: queue wait", waits),
                      ("attempt (the request)", attempts)):
         print(f"{name:<24} p50 {pct(xs, 0.5):7.2f} ms  p90 {pct(xs, 0.9):7.2f} ms")
