@@ -304,6 +304,11 @@ class Breaker:
             return 0.0
         return self._next_probe - now
 
+    def probe_unsent(self) -> None:
+        """The probe ``gate`` let through was not sent after all: another may go at once
+        (otherwise ``gate`` would wait for its answer for ever)."""
+        self._probe_out = False
+
     def on_response(self, now: float, item_id: str, failed: bool, probe: bool,
                     sent_at: float | None = None) -> None:
         """Record an answer to a request sent at ``sent_at`` (default: ``now``)."""
@@ -573,6 +578,12 @@ class Governor:
             if c is not None:
                 c.on_send(now)
             return Ticket(now, probe, lane.index)
+
+    def unused(self, ticket: Ticket) -> None:
+        """``ticket``'s request did not leave (its key was retired meanwhile): if it was the
+        breaker's probe, the next request may probe."""
+        if ticket.probe and self.breaker is not None:
+            self.breaker.probe_unsent()
 
     def on_response(self, ticket: Ticket, item_id: str, *, limited: bool, failed: bool,
                     retry_after: float | None, evidence: bool = True) -> None:

@@ -680,6 +680,7 @@ class PgStore:
         outcomes: list[Record] = []
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
+        settled: set[str | None] = set()  # the IDs of ``outcomes``
         for rec in records:
             kind = rec.kind
             days = int(rec.ts // 86400)
@@ -687,12 +688,16 @@ class PgStore:
                 self._day = (days, utc_day(rec.ts))
             day = self._day[1]
             if kind == "sent":
+                if rec.id in settled:  # after its ID's outcome (SqliteStore._apply): after it
+                    self._flush(sent, outcomes)
+                    sent, outcomes, settled = [], [], set()
                 sent.append(rec.id or "")
                 ledger[(day, self._endpoint, "sent")] += 1
                 if rec.key is not None:
                     keys[(day, rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
                 outcomes.append(rec)
+                settled.add(rec.id)
             elif kind == "billed":
                 db.execute("UPDATE asyncrawl_items SET paid = paid + %s WHERE job = %s AND id = %s",
                            (rec.paid, self.job_name, rec.id))
@@ -704,7 +709,7 @@ class PgStore:
                            ((rec.extra or {}).get("reason"), rec.status, rec.error, self._run))
             elif kind == "end":
                 self._end_run(rec, sent, outcomes)
-                sent, outcomes = [], []
+                sent, outcomes, settled = [], [], set()
             if rec.paid:
                 ledger[(day, self._endpoint, "billable")] += rec.paid
                 for key, n in rec.paid_keys().items():

@@ -48,7 +48,7 @@ from .records import SETTLED, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
-from .worker import Ledger, Stop, Worker, outcome_record, paid_keys
+from .worker import Ledger, Stop, Worker, budget_halt, outcome_record, paid_keys
 from .writer import Writer
 
 log = logging.getLogger("asyncrawl")
@@ -157,18 +157,18 @@ class Run:
         ``store``."""
         cfg = self.config
         keep_reads_off_mmap()
+        shared = store if isinstance(store, PgStore) else None
+        ident = None  # (before any task of the run exists: an error here leaves none behind)
+        if isinstance(source, IdsFile) and shared is None:
+            ident = await asyncio.to_thread(file_identity, source.path)
+            ident["lines"] = source.lines if source.lines is not None else self.meter.total
         writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
-        shared = store if isinstance(store, PgStore) else None
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every,
                  publish=shared.publish_live if shared is not None else None),
             name="asyncrawl-progress")
-        ident = None
-        if isinstance(source, IdsFile) and shared is None:
-            ident = await asyncio.to_thread(file_identity, source.path)
-            ident["lines"] = source.lines if source.lines is not None else self.meter.total
         start = Record("run", extra={"version": __version__, "pid": os.getpid(),
                                      "job": cfg.job_identity(), "source": ident})
         job: _Shared | None = None
@@ -236,6 +236,9 @@ class Run:
             return
         if not failed and (second_left is None or not await second_left()):
             return
+        if budget.exhausted:  # pass 2 could not send anything: no cool-down to wait out
+            self.stop.set(budget_halt(budget))
+            return
         self.cooling = True
         await _wait_first(self.stop.event, timeout=cfg.cooldown)
         self.cooling = False
@@ -260,9 +263,11 @@ class Run:
         try:
             await _finish(writer_task)
         finally:
-            await writer.join()
-            ticker.cancel()
-            await _finish(ticker)
+            try:  # the store is closed after this: never while the writer's thread writes
+                await _finish(asyncio.ensure_future(writer.join()))
+            finally:
+                ticker.cancel()
+                await _finish(ticker)
 
     async def _first_pass_ids(self, source: IdsFile | AsyncIterator[list[str]], store: Store,
                               ident: dict[str, Any] | None) -> AsyncIterator[Chunk]:
@@ -403,16 +408,18 @@ class Run:
             self._cancelled()
             raise
         finally:
-            await self._shutdown(tasks, workers)
-            self.tally.requests += workers.requests
-            self.tally.retries += workers.retries
-            self._workers = None
-            self.cut_off |= workers.flying
-            for item in workers.unsettled():
-                if item.paid:  # billed answers (e.g. a 2xx that did not parse) of an unsettled ID
-                    key, by = paid_keys(item)
-                    writer.put(Record("billed", item.id, paid=item.paid, key=key,
-                                      extra={"paid_by": by} if by else None))
+            try:
+                await self._shutdown(tasks, workers)
+            finally:  # (cancelled again meanwhile: the workers have stopped all the same)
+                self.tally.requests += workers.requests
+                self.tally.retries += workers.retries
+                self._workers = None
+                self.cut_off |= workers.flying
+                for item in workers.unsettled():
+                    if item.paid:  # billed answers (e.g. a 2xx that did not parse), unsettled
+                        key, by = paid_keys(item)
+                        writer.put(Record("billed", item.id, paid=item.paid, key=key,
+                                          extra={"paid_by": by} if by else None))
         for t in tasks:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:
@@ -435,14 +442,26 @@ class Run:
         ledger.fed()
 
     async def _shutdown(self, tasks: list[asyncio.Task[None]], workers: Worker) -> None:
+        """Stop the pass's tasks: in-flight requests get the grace period (cut short by a second
+        stop, or by a cancellation of the run meanwhile, which is raised once every task of
+        the pass has ended)."""
         producer, feeder, *rest = tasks
         producer.cancel()
         feeder.cancel()
+        cancelled = False
         if self.stop.is_set() and workers.in_flight:
-            await _wait_first(workers.idle, self.stop.hurry, timeout=self.config.grace)
+            try:
+                await _wait_first(workers.idle, self.stop.hurry, timeout=self.config.grace)
+            except asyncio.CancelledError:
+                cancelled = True
         for t in rest:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await _finish(asyncio.gather(*tasks, return_exceptions=True))
+        except asyncio.CancelledError:
+            cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
 
     # -- what comes back -----------------------------------------------------------------------
 
@@ -561,13 +580,20 @@ async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:
         await asyncio.gather(*waiters, return_exceptions=True)
 
 
-async def _finish(task: asyncio.Task[Any]) -> None:
-    """Await a task we own, even if our caller is being cancelled meanwhile."""
-    with contextlib.suppress(asyncio.CancelledError):
+async def _finish(task: asyncio.Future[Any]) -> None:
+    """Await a task we own to its end, even if our caller is cancelled meanwhile (a second
+    cancellation is passed on to the task, to cut its own wait short); then raise what it
+    raised, or else our caller's cancellation, which must propagate (SPEC §8)."""
+    cancelled = False
+    try:
         await asyncio.shield(task)
-    if not task.done():  # we were cancelled while it still ran: wait once more, then let go
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    except asyncio.CancelledError:
+        cancelled = not task.cancelled()  # (else: the task itself was cancelled, by its owner)
+        if not task.done():  # we were cancelled while it still ran: wait once more, then let go
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     exc = task.exception() if task.done() and not task.cancelled() else None
     if exc is not None:
         raise exc
+    if cancelled:
+        raise asyncio.CancelledError

@@ -82,9 +82,16 @@ def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
     return Verdict(Action.SETTLE, final)
 
 
+def budget_halt(budget: Budget) -> Halt:
+    """The halt of a job whose request budget (``max_requests`` / ``max_spend``) is spent."""
+    return Halt("budget", None, f"request budget of {budget.limit} billable calls reached")
+
+
 class Stop:
     """The job's stop switch: set once (the first reason wins) by a fatal answer, the budget, a
-    storage error, a signal or a cancellation; no request starts after it."""
+    storage error, a signal or a cancellation; no request starts after it. A storage error
+    wins over any earlier reason: what came after it is not durable, which is what the
+    operator must hear first (exit 5), whatever stopped the run."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -98,8 +105,12 @@ class Stop:
         return self.event.is_set()
 
     def set(self, halt: Halt) -> None:
-        if self.halt is None:
+        first = self.halt
+        if first is None:
             self.halt = halt
+        elif halt.reason == "storage" and first.reason != "storage":
+            self.halt = Halt("storage", None, f"{halt.message} (the run was stopping: "
+                             f"{first.message})")
         self.event.set()
 
 
@@ -251,7 +262,7 @@ class Worker:
             held[id(item)] = item
             ticket = await gov.acquire()
             if limited_budget and not await budget.reserve():
-                stop.set(self._budget_halt())
+                stop.set(budget_halt(budget))
                 return
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.
@@ -265,6 +276,7 @@ class Worker:
                 # it; the ID goes again with another key (this intent stays unanswered, like
                 # one whose request a stop cut short before it left)
                 budget.release(False)
+                gov.unused(ticket)
                 del held[id(item)]
                 self.parking.park(item, 0.0)
                 continue
@@ -290,8 +302,8 @@ class Worker:
             if verdict.action is Action.HALT and self._retire(lane, attempt):
                 verdict = Verdict(Action.PARK, charged=False)  # again, with another key
             self.act(item, attempt, verdict, lane)
-            if budget.exhausted:
-                stop.set(self._budget_halt())
+            if budget.exhausted and not self.ledger.done.is_set():  # (the pass's last ID:
+                stop.set(budget_halt(budget))  # finished; a pass 2 is halted before it starts)
 
     def _retire(self, lane: int, attempt: Attempt) -> bool:
         """A fatal answer with the key of ``lane``: with several keys, a 401/402 retires that
@@ -356,8 +368,6 @@ class Worker:
         self.sink.put(rec)
         self.ledger.settled(item, rec)
 
-    def _budget_halt(self) -> Halt:
-        return Halt("budget", None, f"request budget of {self.budget.limit} billable calls reached")
 
     def unsettled(self) -> list[Item]:
         """Items this pass still holds (parked, queued, in a worker's hand): after its end,

@@ -220,6 +220,95 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
     assert len(paid_before) >= first
 
 
+async def test_a_second_cancellation_cuts_the_grace_short_and_leaves_nothing_running(
+        state: Path) -> None:
+    """An application shutting down cancels every task, the crawl's included, more than once:
+    the second cancellation ends the grace period, every task of the run has ended when
+    ``run()`` raises, and the request cut off is in doubt."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def handle(request: web.Request) -> web.Response:
+        started.set()
+        await release.wait()
+        return web.json_response({"id": request.match_info["id"]})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", handle)
+    async with TestServer(app) as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state), rate=100.0,
+                     concurrency=2, max_tries=1, cooldown=0.0, timeout=30.0, grace=30.0)
+        crawler = Crawler(cfg)
+        task = asyncio.create_task(crawler.run(["slow"]))
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()  # the first: a stop like SIGINT, 30 s of grace for the request out
+        deadline = asyncio.get_running_loop().time() + 10
+        while crawler.halt is None:  # the run took it: it waits out the grace period now
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        task.cancel()  # the second, well within the grace period
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("asyncrawl")]
+        assert left == []
+        release.set()
+    doubt = db_rows(state, "SELECT id, doubt FROM items WHERE doubt IS NOT NULL")
+    assert doubt == [("slow", 0)]  # possibly billed: a rerun says so
+
+
+async def test_an_ids_file_gone_since_it_was_checked_is_an_input_error_and_starts_nothing(
+        state: Path, tmp_path: Path) -> None:
+    from asyncrawl import InputError
+    from asyncrawl.source import IdsFile
+
+    cfg = Config(url="http://127.0.0.1:9/items/{id}", state_dir=str(state))
+    async with Crawler(cfg) as crawler:
+        with pytest.raises(InputError, match="cannot read IDs file"):
+            await crawler.run(IdsFile(str(tmp_path / "rotated-away.txt"), 3))
+    assert [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("asyncrawl")] == []
+
+
+async def test_finish_waits_for_the_task_then_lets_the_cancellation_through() -> None:
+    """``run._finish`` (how a run awaits the tasks it owns while it stops): a cancellation of
+    the caller meanwhile is raised once the task has ended, never swallowed (SPEC §8: the
+    CancelledError of a cancelled ``crawler.run()`` propagates)."""
+    from asyncrawl.run import _finish
+
+    gate = asyncio.Event()
+    owned = asyncio.create_task(gate.wait())
+    caller = asyncio.create_task(_finish(owned))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.sleep(0)
+    assert not caller.done()  # still waiting for the task it owns
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert owned.done() and not owned.cancelled()
+
+    owned = asyncio.create_task(asyncio.sleep(3600))  # a task its owner cancels: no error
+    owned.cancel()
+    await _finish(owned)
+
+    async def fails() -> None:
+        raise ValueError("a bug in the writer")
+
+    with pytest.raises(ValueError):
+        await _finish(asyncio.create_task(fails()))
+
+
+async def test_a_job_that_ends_exactly_at_the_request_budget_is_finished(state: Path) -> None:
+    """``max_requests`` stops a job that has more to fetch (exit 4); one whose last ID was its
+    last allowed call has finished (exit 0): no budget halt, no alert."""
+    halts = []
+    async with MockAPI(api_key=KEY) as api:
+        for n, code in ((5, 0), (4, 4)):
+            cfg = fast_config(api, state.parent / f"s{n}", max_requests=n, concurrency=2)
+            async with Crawler(cfg, on_halt=lambda h, s: halts.append(h.reason)) as crawler:
+                s = await crawler.run([f"b{i}" for i in range(5)])
+            assert (s.ok, s.exit_code) == (n, code)
+    assert halts == ["budget"]
+
+
 # -- the queue between the producer and the workers ----------------------------------------------
 
 

@@ -498,6 +498,27 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
     asyncio.run(go())
 
 
+def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> None:
+    """As in the SQLite store (test_store.py): the later record of a batch wins."""
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        store = await PgStore.open(PG, job)
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            await store.merge(["x"])
+            store.commit([Record.sent("x")])
+            store.commit([Record("failed", "x", status=500, error="HTTP 500", tries=1),
+                          Record.sent("x")])
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    assert pg_rows("SELECT state, sent_run IS NOT NULL, sends FROM asyncrawl_items "
+                   "WHERE job = %s", job) == [("failed", True, 2)]
+
+
 def other_rows(job: str) -> list[tuple[Any, ...]]:
     return pg_rows("SELECT id, sends FROM asyncrawl_items WHERE job = %s ORDER BY id", job)
 

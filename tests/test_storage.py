@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -223,6 +224,37 @@ def test_cli_cannot_create_the_database_exits_5_and_sends_nothing(
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
     assert r.returncode == 0, r.stderr
     assert sorted(export(cfg, "--format", "ids").splitlines()) == ["a", "b", "c"]
+
+
+def test_a_storage_failure_while_stopping_on_a_signal_exits_5(
+        tmp_path: Path, mock_process: Any, faultfs: Path) -> None:
+    """SIGINT, then the last flush (the grace period's results, the halt) fails: the disk is
+    what the exit code and the message are about (5), not the signal (130, "state flushed")."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "1.0")
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state,
+                       write_ids(tmp_path / "ids.txt", [f"s{i:04d}" for i in range(200)]))
+    arm = tmp_path / "arm"
+    env = {**fault_env(faultfs, state, "write", errno.ENOSPC, tmp_path / "faults.txt"),
+           "FAULTFS_ARM": str(arm)}
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
+                                 "--no-progress"], stdout=o, stderr=e, cwd=ROOT, env=env)
+    try:
+        wait_until(lambda: len(durable_ok_ids(state)) >= 1, proc)
+        proc.send_signal(signal.SIGINT)  # 8 requests are out, each answered after 1 s ...
+        arm.touch()  # ... and the flush that follows them fails
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stdout, stderr = out.read_text(), err.read_text()
+    assert proc.returncode == 5, (stdout, stderr)
+    message = f"{state / DB}: cannot write the state database: database or disk is full"
+    assert message in stdout and "stopped by SIGINT" in stdout
+    assert "Traceback" not in stderr
 
 
 # -- a real full disk ----------------------------------------------------------------------------

@@ -143,6 +143,23 @@ async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path:
     assert sends_of(state) == {"x": 1, "y": 2, "z": 1, "w": 1}
 
 
+async def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(tmp_path: Path) -> None:
+    """Pass 1's ``failed`` is queued without a wait and pass 2's intent for the same ID can
+    follow it into the same group commit (cool-down 0): the intent is the later record, so it
+    is the one left open, and after a crash the ID is in doubt."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("x")])
+    store.commit([Record("failed", "x", status=500, error="HTTP 500", tries=1, ts=TS),
+                  Record.sent("x")])  # pass 2's request for x is out now
+    assert db_rows(state, "SELECT state, sent_run IS NOT NULL FROM items") == [("failed", 1)]
+    os.close(store._lock_fd)  # the process dies with the request out
+    store._lock_fd = -1
+    await store.close()
+    assert dict(read_store(state).in_doubt()) == {"x": False}
+    assert sends_of(state) == {"x": 2}
+
+
 async def test_a_run_dedups_its_ids_in_the_database_and_counts_them(tmp_path: Path) -> None:
     state = tmp_path / "state"
     await committed(state, [RECORDS[0], RECORDS[1], RECORDS[2]])  # a ok, b failed
