@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from ._version import __version__
 from .config import Config, expand_env
-from .errors import AsyncrawlError, ConfigError
+from .errors import AsyncrawlError, ConfigError, InputError
 from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import SETTLED
@@ -221,7 +221,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
         "reuse_state": True if args.reuse_state else None,
         "method": args.method, "json": _json_flag(args.json_body), "body": args.data,
-        "proxy": args.proxy,
+        "proxy": args.proxy and expand_env(args.proxy, "--proxy", None, secrets,
+                                           need_env=not args.dry_run),
         "_headers": headers, "_secrets": secrets,
     }
 
@@ -428,7 +429,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             # an IDs file the state has read before, unchanged, is not checked and counted again
             total = None if spooled or not ids_path else _known_lines(config, ids_path)
             if total is None and ids_path:
-                total = prescan_file(ids_path)
+                try:
+                    total = prescan_file(ids_path)
+                except InputError as e:
+                    if not spooled:
+                        raise
+                    raise InputError(e.message, path="<stdin>", line=e.line) from None
             if config.state_url is not None:
                 total = None  # a shared job's size is the job's, not this file's
             if spooled:

@@ -37,7 +37,7 @@ PG_SCHEMES = ("postgresql://", "postgres://")  # a [state] url: a PostgreSQL sto
 
 DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
-DEFAULT_FATAL = frozenset({401, 402})
+DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials
 MAX_ID_LENGTH = 1024
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)

@@ -50,6 +50,7 @@ class InputError(AsyncrawlError):
     exit_code = 2
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None):
+        self.message = message
         self.path = path
         self.line = line
         where = path or "<ids>"

@@ -257,6 +257,16 @@ def status_class(status: int, config: Config) -> Outcome:
     return Outcome.RETRY
 
 
+def body_code(code: Any) -> int:
+    """An error code found in a body (``[response] error_field``) as a status to classify: an
+    integer, also when written as a string or a float (``"402"``, ``402.0``: many APIs send
+    their codes so); anything else (a word, ``true``, a fraction) counts as a 400."""
+    if ((isinstance(code, float) and code.is_integer())
+            or (isinstance(code, str) and code.strip().isdecimal())):
+        code = int(code)
+    return code if isinstance(code, int) and not isinstance(code, bool) else 400
+
+
 def _field(data: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(data, dict) or part not in data:
@@ -412,7 +422,7 @@ class Fetcher:
         if body_ok and cfg.error_field and outcome is Outcome.OK:
             code = _field(data, cfg.error_field)
             if code is not None and code not in cfg.success_values:
-                effective = code if isinstance(code, int) and not isinstance(code, bool) else 400
+                effective = body_code(code)
                 outcome = status_class(effective, cfg)
                 if outcome is Outcome.OK:
                     outcome = Outcome.SKIP

@@ -167,6 +167,12 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         raise ConfigError(f"--outcome must be one of {', '.join(EXPORT_OUTCOMES)}")
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"--format must be one of {', '.join(EXPORT_FORMATS)}")
+    if fields:
+        if fmt not in ("csv", "parquet"):
+            raise ConfigError(f"--fields chooses the columns of --format csv or parquet; "
+                              f"--format {fmt} has none to choose")
+        if "id" not in fields:  # a row without its ID is no use: id first, unless placed
+            fields = ["id", *fields]
     if fmt == "parquet":
         if path is None:
             raise ConfigError("--format parquet writes a file: give -o FILE (e.g. -o notes.parquet)")

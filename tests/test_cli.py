@@ -579,6 +579,11 @@ def test_no_second_pass_exits_6_and_ids_from_stdin(tmp_path: Path, mock_process:
     assert after[gone] == 2 * n_gone and after[missing] == 2
     assert all(after[i] == 1 for i in good)
 
+    # a bad line on stdin is named as stdin's (not as the copy asyncrawl reads it from)
+    r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", env=ENV,
+            stdin="a\nb\n" + "x" * 2000 + "\n")
+    assert r.returncode == 2 and "<stdin>:3: " in r.stderr, r.stderr
+
 
 # -- 8. secrets --------------------------------------------------------------------------------
 
@@ -866,6 +871,10 @@ def test_csv_fields_take_dotted_paths_and_an_unknown_field_is_an_error(
     assert rows[0] == ["id", "data.title", "value"]
     assert sorted(rows[1:]) == sorted([i, payload_for(i)["title"], str(payload_for(i)["value"])]
                                       for i in ("f1", "f2"))
+    rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv", "--fields", "value"))))
+    assert rows[0] == ["id", "value"]  # a row is no use without its ID
+    r = cli("export", "-c", str(cfg), "--fields", "value", env=ENV)  # jsonl: no columns
+    assert r.returncode == 2 and "--fields" in r.stderr and r.stdout == ""
     r = cli("export", "-c", str(cfg), "--format", "csv", "--fields", "id,data.url", env=ENV)
     assert r.returncode == 2 and "'data.url'" in r.stderr and "title" in r.stderr, r.stderr
     assert r.stdout == ""

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from asyncrawl import Config
 from asyncrawl.config import MAX_ID_LENGTH
-from asyncrawl.fetch import Attempt, Fetcher, Outcome, RequestBuilder, encode_id
+from asyncrawl.fetch import Attempt, Fetcher, Outcome, RequestBuilder, body_code, encode_id
 from asyncrawl.source import _problem
 
 KEY = "k-secret"
@@ -418,6 +418,13 @@ async def test_small_gzip_body_is_decoded(server: Server, session: aiohttp.Clien
 
 
 # -- network failures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "status"), [
+    (402, 402), ("402", 402), (" 401 ", 401), (401.0, 401), (1001, 1001),  # numbers, however written
+    ("E402", 400), (401.5, 400), (True, 400), ("", 400), ([402], 400)])  # anything else: a 400
+def test_a_body_code_is_a_status_however_the_api_writes_it(code: object, status: int) -> None:
+    assert body_code(code) == status
 
 
 async def test_timeout_is_retry(server: Server, session: aiohttp.ClientSession) -> None:

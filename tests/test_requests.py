@@ -5,6 +5,7 @@ on loopback: an aiohttp app that records what it got, and a forward proxy of our
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import sys
@@ -170,6 +171,41 @@ async def test_request_proxy_key_sends_every_request_through_it(
     assert len(p.seen) == len(ODD) == len(rec.seen)
     assert all(u == base + "/v1/notes/query" for u, _ in p.seen)
     assert all(auth and auth.startswith("Basic ") for _, auth in p.seen)  # its credentials
+
+
+async def test_proxy_flag_expands_env_and_a_proxy_refusing_it_halts_the_job(
+        mock_process: Any, proxy: Any, tmp_path: Path) -> None:
+    """``--proxy`` takes ``${ENV}`` like ``-H`` and ``[request] proxy``; a proxy that refuses
+    the credentials (407 for every request) halts the job (exit 3) instead of recording every
+    ID as confirmed unavailable."""
+    p, proxy_base = proxy
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"p{i}" for i in range(20)])
+    secret = "pr0xy-fr0m-env"
+    flag = proxy_base.replace("http://", "http://crawler:${ASYNCRAWL_TEST_PROXY_PW}@")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "s1", ids)
+    code, err = await _cli("run", "-c", str(cfg), "--no-progress", "--proxy", flag,
+                           env=_cli_env(ASYNCRAWL_TEST_PROXY_PW=secret))
+    assert code == 0, err
+    expected = "Basic " + base64.b64encode(f"crawler:{secret}".encode()).decode()
+    assert len(p.seen) == 20 and {auth for _, auth in p.seen} == {expected}
+    assert secret not in err
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=407, headers={"Proxy-Authenticate": 'Basic realm="p"'})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    runner, refusing = await serve(app)
+    try:
+        cfg2 = write_config(tmp_path / "c2.toml", mock.item_url, tmp_path / "s2", ids)
+        code, err = await _cli("run", "-c", str(cfg2), "--no-progress", "--proxy", refusing,
+                               env=_cli_env())
+    finally:
+        await runner.cleanup()
+    assert code == 3, err
+    r = cli("status", "-c", str(cfg2), "--json", env=_cli_env())
+    assert json.loads(r.stdout)["unavailable"] == 0  # nothing given up on: a rerun fetches all
 
 
 def _cli_env(**extra: str) -> dict[str, str]:
