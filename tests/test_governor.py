@@ -197,16 +197,23 @@ def test_breaker_needs_a_longer_run_of_failures_on_a_flaky_server() -> None:
     assert b.open
 
 
-async def test_a_probe_that_was_not_sent_lets_the_next_request_probe() -> None:
-    """With several keys a worker may hold the probe's ticket and not send (its key was
-    retired meanwhile): handed back with ``unused``, the next request probes at once instead
-    of the breaker waiting for an answer that never comes."""
-    gov = Governor(rate=1000, burst=10, breaker=Breaker(probe_initial=0.01, probe_max=0.01))
+def open_breaker(probe_after: float) -> Governor:
+    """A governor whose breaker an outage has just opened; it probes every ``probe_after`` s."""
+    gov = Governor(rate=1000, burst=10,
+                   breaker=Breaker(probe_initial=probe_after, probe_max=probe_after))
     assert gov.breaker is not None
     now = asyncio.get_running_loop().time()
     for i in range(10):
         gov.breaker.on_response(now, f"x{i}", failed=True, probe=False)
     assert gov.breaker_open
+    return gov
+
+
+async def test_a_probe_that_was_not_sent_lets_the_next_request_probe() -> None:
+    """With several keys a worker may hold the probe's ticket and not send (its key was
+    retired meanwhile): handed back with ``unused``, the next request probes at once instead
+    of the breaker waiting for an answer that never comes."""
+    gov = open_breaker(probe_after=0.01)
     probe = await asyncio.wait_for(gov.acquire(), 5)
     assert probe.probe
     with pytest.raises(TimeoutError):  # one probe at a time: the others wait for its answer
@@ -216,12 +223,7 @@ async def test_a_probe_that_was_not_sent_lets_the_next_request_probe() -> None:
 
 
 async def test_an_open_breaker_stands_down_when_nothing_unsent_is_left() -> None:
-    gov = Governor(rate=1000, burst=10, breaker=Breaker(probe_initial=60, probe_max=60))
-    assert gov.breaker is not None
-    now = asyncio.get_running_loop().time()
-    for i in range(10):
-        gov.breaker.on_response(now, f"x{i}", failed=True, probe=False)
-    assert gov.breaker_open
+    gov = open_breaker(probe_after=60)
     gov.unsent = lambda: True  # fresh IDs wait: they are held (the first probe is 60 s away)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(gov.acquire(), 0.3)
