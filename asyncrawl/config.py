@@ -39,6 +39,7 @@ DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials
 MAX_ID_LENGTH = 1024
+MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT, 0.3 s)
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
 _PARAM_NAMES = r"key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(?:nature)?"
@@ -573,6 +574,9 @@ def _check_values(c: Config) -> None:
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
+    if c.lease < MIN_LEASE:
+        raise bad("lease", f"must be at least {MIN_LEASE:g} s (several heartbeats: a live "
+                  f"process must keep its IDs), got {c.lease!r}")
     for name in ("backoff_base", "backoff_max", "cooldown", "grace", "max_redirects",
                  "paid_retries"):
         if getattr(c, name) < 0:

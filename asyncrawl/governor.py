@@ -653,8 +653,10 @@ class Budget:
 
     @property
     def unspent(self) -> int:
-        """Granted by the job and not spent (given back when the run ends)."""
-        return max(0, self.granted - self.billed) if self._grant is not None else 0
+        """Granted by the job and not spent (given back when the run ends). A request still
+        reserved when the run ends was cut off in flight: it may have been billed, so its
+        slot is not given back (the job stops short rather than over its budget)."""
+        return max(0, self.granted - self.billed - self.reserved) if self._grant is not None else 0
 
     async def reserve(self) -> bool:
         """Reserve a slot for one request; ``False`` once the budget is spent."""

@@ -158,10 +158,14 @@ ON CONFLICT (job, id) DO UPDATE SET
     lease_until = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_until END,
     doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
 """
+# An intent over another run's open intent (a run that stalled past its lease while another
+# claimed the ID): both requests may be billed, so the ID is in doubt from now on.
 UPSERT_SENT = """
 INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends)
 SELECT %(job)s, v.id, %(run)s, 1 FROM unnest(%(id)s::text[]) AS v(id)
-ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1
+ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1,
+    doubt = CASE WHEN i.sent_run <> excluded.sent_run AND i.doubt IS NULL THEN 0
+                 ELSE i.doubt END
 """
 
 
@@ -455,9 +459,10 @@ class PgStore:
                 FROM (SELECT id FROM asyncrawl_items
                       WHERE job = %(job)s AND {_PASS[pass_no]}
                         AND (lease_until IS NULL OR lease_until < {NOW})
-                        -- (a claim still on its way when its run ended takes nothing)
+                        -- (a claim still on its way when its run ended takes nothing: it
+                        -- waits for an end being committed, which waits for a claim first)
                         AND EXISTS (SELECT 1 FROM asyncrawl_runs
-                                    WHERE run = %(run)s AND ended IS NULL)
+                                    WHERE run = %(run)s AND ended IS NULL FOR SHARE)
                       LIMIT %(n)s FOR UPDATE SKIP LOCKED) AS c
                 WHERE i.job = %(job)s AND i.id = c.id
                 RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
@@ -523,15 +528,18 @@ class PgStore:
 
     async def publish_halt(self, halt: Halt) -> bool:
         """Halt every run of this generation of the job (they see it at their next
-        heartbeat); ``False`` if another run's halt was published first (its alerts go)."""
+        heartbeat); ``False`` if another run's halt was published first (its alerts go). A
+        halt published before this run started (which its heartbeat ignores: it was meant
+        for the runs of that time) is replaced."""
         def go() -> bool:
             with self._db("control", "publish the halt") as db:
                 cur = db.execute(
                     f"UPDATE asyncrawl_jobs SET halt_gen = %s, halt = %s || jsonb_build_object("
-                    f"'at', {NOW}) WHERE job = %s AND halt_gen IS DISTINCT FROM %s",
+                    f"'at', {NOW}) WHERE job = %s AND (halt_gen IS DISTINCT FROM %s "
+                    "OR coalesce((halt->>'at')::float8, 0) < %s)",
                     (self._gen, _jsonb({"reason": halt.reason, "status": halt.status,
                                         "message": halt.message, "run": self._run}),
-                     self.job_name, self._gen))
+                     self.job_name, self._gen, self._started))
                 return cur.rowcount == 1
         return await asyncio.to_thread(go)
 
@@ -742,11 +750,13 @@ class PgStore:
         if cut:
             db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND id = ANY(%s) "
                        "AND doubt IS NULL", (self.job_name, cut))
+        # ended first: a claim of this run still under way (its run row locked FOR SHARE) is
+        # waited for, so its leases are among those cleared next; a later one takes nothing
+        db.execute(f"UPDATE asyncrawl_runs SET ended = {NOW}, error = %s, merging = false "
+                   "WHERE run = %s", (extra.get("error"), self._run))
         db.execute("UPDATE asyncrawl_items SET lease_owner = NULL, lease_until = NULL, "
                    "sent_run = NULL WHERE job = %s AND lease_owner = %s",
                    (self.job_name, self._run))
-        db.execute(f"UPDATE asyncrawl_runs SET ended = {NOW}, error = %s, merging = false "
-                   "WHERE run = %s", (extra.get("error"), self._run))
 
     # -- the Store interface: figures and streams ---------------------------------------------
 

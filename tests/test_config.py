@@ -188,6 +188,7 @@ def test_whole_float_accepted_for_int(tmp_path: Path) -> None:
         ("[passes]\nsecond_pass = \"yes\"\n", "passes.second_pass"),
         ("[billing]\nmax_spend = 50\n", "billing.max_spend"),
         ("[billing]\nprice_per_call = -0.1\n", "billing.price_per_call"),
+        ("[state]\nlease = 0.5\n", "state.lease"),  # shorter than a few heartbeats
         ("[request.headers]\nX-A = \"a\\nb\"\n", "request.headers"),
         ("[request.headers]\nX-A = [\"a\"]\n", "request.headers"),
         ("[request.params]\ntoken = [\"a\"]\n", "request.params"),

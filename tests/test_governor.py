@@ -120,6 +120,19 @@ def test_breaker_ignores_a_scatter_of_failures() -> None:
     assert not b.open
 
 
+async def test_a_shared_budget_keeps_the_slots_of_requests_cut_off_in_flight() -> None:
+    """What a run gives back to a shared job's budget when it ends: granted, not billed, and
+    not still out (a request cut off by a stop may have been billed)."""
+    async def grant(n: int) -> int:
+        return min(n, 4)
+
+    b = Budget(100, grant)
+    assert all([await b.reserve() for _ in range(4)])
+    b.release(True)
+    b.release(False)  # two answered (one billed); two cut off in flight
+    assert (b.granted, b.billed, b.reserved, b.unspent) == (4, 1, 2, 1)
+
+
 async def test_budget_never_overshoots_with_requests_in_flight() -> None:
     b = Budget(3)
     assert all([await b.reserve() for _ in range(3)])

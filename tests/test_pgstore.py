@@ -519,6 +519,104 @@ def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> N
                    "WHERE job = %s", job) == [("failed", True, 2)]
 
 
+async def _run_of(job: str, pid: int) -> Any:
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    store = await PgStore.open(PG, job)
+    store.commit([Record("run", extra={"version": "t", "pid": pid, "job": None})])
+    return store
+
+
+def test_a_halt_from_before_a_run_started_does_not_silence_its_own(job: str) -> None:
+    """Runs restarted into a generation whose halt they ignore (it was older than them): the
+    next fatal answer of one of them halts them all, and that run sends the alerts."""
+    from asyncrawl.records import Record
+    from asyncrawl.types import Halt
+
+    async def go() -> None:
+        a, b = await _run_of(job, 1), await _run_of(job, 2)
+        assert await a.publish_halt(Halt("fatal", 402, "HTTP 402"))
+        assert not await b.publish_halt(Halt("fatal", 402, "HTTP 402"))  # one halt, one alert
+        a.commit([Record("end", extra={})])
+        c, d = await _run_of(job, 3), await _run_of(job, 4)  # b lives on: the same generation
+        assert (c._gen, d._gen) == (a._gen, a._gen) and (await d.heartbeat()).halt is None
+        assert await c.publish_halt(Halt("fatal", 401, "HTTP 401"))
+        seen = (await d.heartbeat()).halt
+        assert seen is not None and seen.status == 401
+        for s in (b, c, d):
+            s.commit([Record("end", extra={})])
+        for s in (a, b, c, d):
+            await s.close()
+
+    asyncio.run(go())
+
+
+def test_a_send_over_another_run_s_open_intent_is_in_doubt(job: str) -> None:
+    """A run that stalled past its lease (a long GC pause, a stopped VM) sends an ID another run
+    has claimed and sent meanwhile: both may be billed, and the job says so."""
+    import psycopg
+
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        a, b = await _run_of(job, 1), await _run_of(job, 2)
+        await a.merge(["x"])
+        assert [r[0] for r in await a.claim(1, 10)] == ["x"]
+        with psycopg.connect(PG, autocommit=True) as db:  # what a 30-s stall does to the lease
+            db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s", (job,))
+        assert [r[0] for r in await b.claim(1, 10)] == ["x"]
+        b.commit([Record.sent("x")])
+        a.commit([Record.sent("x")])  # a wakes up and sends as well
+        b.commit([Record("ok", "x", status=200, data={"v": 1}, paid=1)])
+        for s in (a, b):
+            s.commit([Record("end", extra={})])
+            await s.close()
+
+    asyncio.run(go())
+    assert pg_rows("SELECT sends, doubt FROM asyncrawl_items WHERE job = %s", job) == [(2, 1)]
+
+
+def test_a_claim_under_way_when_its_run_ends_leaves_no_lease_behind(job: str) -> None:
+    """A claim in a thread of its own (a producer cancelled at a stop) meets the run's end being
+    committed: it waits for it and takes nothing, instead of leasing IDs to an ended run for
+    a lease's time."""
+    import threading
+
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        a = await _run_of(job, 1)
+        await a.merge([f"i{k}" for k in range(5)])
+        inside, release = threading.Event(), threading.Event()
+
+        def end() -> None:  # the writer's commit of the end record, held before its COMMIT
+            with a._locks["writer"], a._conns["writer"].transaction():
+                a._end_run(Record("end", extra={"in_doubt": []}), [], [])
+                inside.set()
+                release.wait(30)
+
+        t = threading.Thread(target=end)
+        t.start()
+        assert inside.wait(30)
+        claim = asyncio.create_task(a.claim(1, 10))
+        deadline = time.monotonic() + 30
+        while not claim.done() and not pg_rows(  # it waits for the end ...
+                "SELECT 1 FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'"):
+            assert time.monotonic() < deadline, "the claim neither ended nor waited"
+            await asyncio.sleep(0.01)
+        release.set()
+        assert await asyncio.wait_for(claim, 30) == []  # ... and takes nothing after it
+        t.join(30)
+        await a.close()
+        b = await _run_of(job, 2)
+        assert len(await b.claim(1, 10)) == 5  # nothing held by the ended run
+        b.commit([Record("end", extra={})])
+        await b.close()
+
+    asyncio.run(go())
+
+
 def other_rows(job: str) -> list[tuple[Any, ...]]:
     return pg_rows("SELECT id, sends FROM asyncrawl_items WHERE job = %s ORDER BY id", job)
 
