@@ -230,10 +230,18 @@ class Config:
                 if name in ("ids", "state_dir", "ca_bundle") and isinstance(value, str) and value != "-":
                     value = str(base / value)
                 kwargs[name] = value
+        in_file = dict(kwargs)
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs["secrets"] = frozenset(secrets) | frozenset(kwargs.get("secrets", ()))
         if "url" not in kwargs:
             raise ConfigError("is required (the URL template with {id})", key="request.url", path=path)
+        replaced = {k for k, v in overrides.items() if v is not None and k in in_file}
+        if replaced:  # a value a flag replaces is checked all the same: the file is wrong
+            try:
+                cls(**{**kwargs, **{k: in_file[k] for k in replaced}})
+            except ConfigError as e:
+                if TOML_KEYS.get(e.key or "") in replaced:
+                    raise ConfigError(str(e).split(": ", 1)[-1], key=e.key, path=path) from None
         try:
             return cls(**kwargs)
         except ConfigError as e:

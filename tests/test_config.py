@@ -202,6 +202,19 @@ def test_invalid_value_names_key(tmp_path: Path, body: str, key: str) -> None:
     assert str(p) in str(e.value)
 
 
+def test_a_wrong_value_in_the_file_is_an_error_even_where_a_flag_replaces_it(
+        tmp_path: Path) -> None:
+    p = write(tmp_path, f'[request]\nurl = "{URL}"\n[state]\ndir = 5\n')
+    with pytest.raises(ConfigError) as e:
+        Config.load(p, state_dir=str(tmp_path / "s"))
+    assert "state.dir" in str(e.value) and str(p) in str(e.value)
+    with pytest.raises(ConfigError, match=r"limits\.rate"):
+        Config.load(write(tmp_path, f'[request]\nurl = "{URL}"\n[limits]\nrate = "fast"\n'),
+                    rate=5.0)
+    assert Config.load(write(tmp_path, f'[request]\nurl = "{URL}"\n[limits]\nrate = 3\n'),
+                       rate=5.0).rate == 5.0  # a good value is replaced as before
+
+
 @pytest.mark.parametrize(
     "text",
     [
