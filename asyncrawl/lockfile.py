@@ -7,11 +7,32 @@ import contextlib
 import errno
 import fcntl
 import os
+import signal
+import time
 from pathlib import Path
 
 from .errors import LockedError, StorageError
 
 LOCK = "lock"
+DYING_WAIT = 10.0  # seconds to wait for the lock of a run that was killed and is still exiting
+
+
+def _dying(pid: int) -> bool:
+    """Whether process ``pid`` has been killed and is exiting. A ``kill -9`` takes effect once
+    the system call the process is in returns (an fsync on a busy disk can take a while), and
+    its lock is held until then: a rerun started at once waits for that instead of refusing.
+    Linux (``/proc``); elsewhere, or for a process that is gone, ``False``."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if fields.get("State", "").strip()[:1] in ("Z", "X"):  # exited: its files are closing
+        return True
+    kill = 1 << (signal.SIGKILL - 1)
+    with contextlib.suppress(ValueError):
+        return any(int(fields.get(k, "0").strip(), 16) & kill for k in ("SigPnd", "ShdPnd"))
+    return False
 
 
 def fsync_dir(path: Path) -> None:
@@ -34,18 +55,26 @@ def lock_state_dir(d: Path) -> int:
         lock_fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
         raise StorageError(f"cannot create state directory: {e.strerror}", path=d) from None
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        pid = ""
-        with contextlib.suppress(OSError, ValueError):
-            pid = os.pread(lock_fd, 32, 0).decode().strip()
-        os.close(lock_fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+    deadline = time.monotonic() + DYING_WAIT
+    while True:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            pid = ""
+            with contextlib.suppress(OSError, ValueError):
+                pid = os.pread(lock_fd, 32, 0).decode().strip()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(lock_fd)
+                raise StorageError(f"cannot lock state directory: {e.strerror}",
+                                   path=d) from None
+            if pid.isdigit() and _dying(int(pid)) and time.monotonic() < deadline:
+                time.sleep(0.02)  # its files close once the call it is stuck in returns
+                continue
+            os.close(lock_fd)
             raise LockedError(
                 f"another asyncrawl run{f' (pid {pid})' if pid else ''} is using the state "
                 f"directory {d}; wait for it to finish or stop it first") from None
-        raise StorageError(f"cannot lock state directory: {e.strerror}", path=d) from None
     try:
         os.ftruncate(lock_fd, 0)
         os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)

@@ -271,6 +271,27 @@ def test_lock_held_by_another_process(tmp_path: Path) -> None:
     assert (state / LOCK).read_text().strip() == str(os.getpid())
 
 
+def test_a_run_killed_a_moment_ago_does_not_refuse_the_rerun(tmp_path: Path) -> None:
+    """``kill -9``, then the same command again at once: a killed process keeps its lock until
+    the system call it is in returns (an fsync on a busy disk), so the rerun waits for a
+    holder that is exiting (a zombie, or SIGKILL pending) instead of exit 2."""
+    from asyncrawl.lockfile import _dying
+
+    state = tmp_path / "state"
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(state)],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "locked"
+        assert not _dying(proc.pid)  # alive and well: a second run is refused
+        proc.kill()  # not reaped yet: a zombie, or still exiting
+        asyncio.run(committed(state))  # no LockedError
+        assert _dying(proc.pid)  # a zombie until reaped
+        proc.wait()
+        proc.stdout.close()
+    assert not _dying(proc.pid)  # gone
+
+
 # -- the writer (generic over the store) ---------------------------------------------------------
 
 
