@@ -56,7 +56,16 @@ from typing import Any
 
 from .config import PG_SCHEMES, endpoint_of
 from .errors import ConfigError, StorageError, require_extra
-from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, call_rows, utc_day
+from .records import (
+    EXPORT_STATES,
+    OUTCOME_KINDS,
+    Counts,
+    Record,
+    Snapshot,
+    call_rows,
+    in_order_parts,
+    utc_day,
+)
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -683,12 +692,15 @@ class PgStore:
                 time.sleep(0.05 * attempt)
 
     def _apply(self, records: Sequence[Record]) -> None:
+        for part in in_order_parts(records):  # (see records.in_order_parts)
+            self._apply_grouped(part)
+
+    def _apply_grouped(self, records: Sequence[Record]) -> None:
         db = self._conns["writer"]
         sent: list[str] = []
         outcomes: list[Record] = []
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
-        settled: set[str | None] = set()  # the IDs of ``outcomes``
         for rec in records:
             kind = rec.kind
             days = int(rec.ts // 86400)
@@ -696,16 +708,12 @@ class PgStore:
                 self._day = (days, utc_day(rec.ts))
             day = self._day[1]
             if kind == "sent":
-                if rec.id in settled:  # after its ID's outcome (SqliteStore._apply): after it
-                    self._flush(sent, outcomes)
-                    sent, outcomes, settled = [], [], set()
                 sent.append(rec.id or "")
                 ledger[(day, self._endpoint, "sent")] += 1
                 if rec.key is not None:
                     keys[(day, rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
                 outcomes.append(rec)
-                settled.add(rec.id)
             elif kind == "billed":
                 db.execute("UPDATE asyncrawl_items SET paid = paid + %s WHERE job = %s AND id = %s",
                            (rec.paid, self.job_name, rec.id))
@@ -717,7 +725,7 @@ class PgStore:
                            ((rec.extra or {}).get("reason"), rec.status, rec.error, self._run))
             elif kind == "end":
                 self._end_run(rec, sent, outcomes)
-                sent, outcomes, settled = [], [], set()
+                sent, outcomes = [], []
             if rec.paid:
                 ledger[(day, self._endpoint, "billable")] += rec.paid
                 for key, n in rec.paid_keys().items():

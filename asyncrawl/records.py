@@ -23,7 +23,7 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -217,6 +217,25 @@ def call_rows(counts: Mapping[tuple[str, str, str], int]) -> list[tuple[str, str
     for (day, what, kind), n in sorted(counts.items()):
         rows.setdefault((day, what), [0, 0])[kind == "billable"] += n
     return [(day, what, sent, billable) for (day, what), (sent, billable) in rows.items()]
+
+
+def in_order_parts(records: Sequence[Record]) -> list[Sequence[Record]]:
+    """A batch of records, cut before every ``sent`` that follows an outcome of the same ID.
+    The stores apply a part grouped by kind, intents before outcomes: right within a run,
+    where an ID's intent is committed (an earlier batch) before its request leaves, but not
+    across passes, where pass 1's ``failed`` (queued without a wait) and pass 2's intent for
+    the same ID can share one group commit; there the outcome must not close the intent of a
+    request that is out. Nearly every batch is one part."""
+    parts: list[Sequence[Record]] = []
+    start, settled = 0, set()
+    for i, rec in enumerate(records):
+        if rec.kind == "sent" and rec.id in settled:
+            parts.append(records[start:i])
+            start, settled = i, set()
+        elif rec.kind in OUTCOME_KINDS:
+            settled.add(rec.id)
+    parts.append(records[start:])
+    return parts
 
 
 def utc_day(ts: float) -> str:

@@ -59,7 +59,16 @@ from .config import endpoint_of
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
-from .records import EXPORT_STATES, OUTCOME_KINDS, Counts, Record, Snapshot, call_rows, utc_day
+from .records import (
+    EXPORT_STATES,
+    OUTCOME_KINDS,
+    Counts,
+    Record,
+    Snapshot,
+    call_rows,
+    in_order_parts,
+    utc_day,
+)
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -402,10 +411,12 @@ class SqliteStore:
         always precedes its outcome in an earlier batch (the intent is committed before the
         request leaves), so a run's records are applied grouped by kind, one statement per
         group; ``halt`` and ``end`` after the rest, and a ``run`` record (an imported journal
-        holds many) after everything before it. The other order, an outcome and then a new
-        ``sent`` for the same ID in one batch, happens across passes (pass 1's ``failed`` is
-        queued, pass 2's intent follows it within the writer's linger): that ``sent`` starts a
-        new group, so that the outcome does not close the intent of a request that is out."""
+        holds many) after everything before it; a batch where an intent follows its ID's
+        outcome (across passes) is applied in parts (``records.in_order_parts``)."""
+        for part in in_order_parts(records):
+            self._apply_grouped(part)
+
+    def _apply_grouped(self, records: Sequence[Record]) -> None:
         groups = _Groups()
         day = self._day
         for rec in records:
@@ -414,15 +425,11 @@ class SqliteStore:
             if days != day[0]:  # the UTC date, computed once a day
                 day = self._day = (days, utc_day(rec.ts))
             if kind == "sent":
-                if rec.id in groups.settled:  # after its ID's outcome: applied after it
-                    self._flush(groups)
-                    groups = _Groups()
                 groups.sent.append((rec.id, self._run, 1))
                 groups.ledger[(day[1], self._endpoint, "sent")] += 1
                 if rec.key is not None:
                     groups.keys[(day[1], rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
-                groups.settled.add(rec.id)
                 groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
                                         rec.tries, rec.paid, rec.ts,
                                         rec.stored_payload() if kind == "ok" else None))
@@ -672,7 +679,7 @@ def _build_from_journal(journal: Path, path: Path) -> int:
 class _Groups:
     """A batch's records by kind, as statement parameters (see ``SqliteStore._apply``)."""
 
-    __slots__ = ("billed", "keys", "last", "ledger", "outcomes", "sent", "settled")
+    __slots__ = ("billed", "keys", "last", "ledger", "outcomes", "sent")
 
     def __init__(self) -> None:
         self.sent: list[tuple[str | None, int | None, int]] = []
@@ -681,7 +688,6 @@ class _Groups:
         self.ledger: Counter[tuple[str, str, str]] = Counter()
         self.keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         self.last: list[Record] = []  # halt, end
-        self.settled: set[str | None] = set()  # the IDs of ``outcomes``
 
 
 ROWS_PER_STATEMENT = 256  # x at most 9 parameters: well below SQLite's limit of 32,766

@@ -498,15 +498,22 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
     asyncio.run(go())
 
 
-def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> None:
-    """As in the SQLite store (test_store.py): the later record of a batch wins."""
+async def _run_of(job: str, pid: int) -> Any:
     from asyncrawl.pgstore import PgStore
     from asyncrawl.records import Record
 
+    store = await PgStore.open(PG, job)
+    store.commit([Record("run", extra={"version": "t", "pid": pid, "job": None})])
+    return store
+
+
+def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> None:
+    """As in the SQLite store (test_store.py): the later record of a batch wins."""
+    from asyncrawl.records import Record
+
     async def go() -> None:
-        store = await PgStore.open(PG, job)
+        store = await _run_of(job, 1)
         try:
-            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
             await store.merge(["x"])
             store.commit([Record.sent("x")])
             store.commit([Record("failed", "x", status=500, error="HTTP 500", tries=1),
@@ -517,15 +524,6 @@ def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> N
     asyncio.run(go())
     assert pg_rows("SELECT state, sent_run IS NOT NULL, sends FROM asyncrawl_items "
                    "WHERE job = %s", job) == [("failed", True, 2)]
-
-
-async def _run_of(job: str, pid: int) -> Any:
-    from asyncrawl.pgstore import PgStore
-    from asyncrawl.records import Record
-
-    store = await PgStore.open(PG, job)
-    store.commit([Record("run", extra={"version": "t", "pid": pid, "job": None})])
-    return store
 
 
 def test_a_halt_from_before_a_run_started_does_not_silence_its_own(job: str) -> None:
