@@ -561,9 +561,12 @@ class Governor:
                     lane.next_slot = slot + 1.0 / c.rate
                     if slot > now:
                         await asyncio.sleep(slot - now)
-            await lane.limiter.acquire()
-            if self.limiter is not None:
-                await self.limiter.acquire()
+            bucket, job_bucket = lane.limiter, self.limiter
+            await bucket.acquire()
+            if job_bucket is not None:
+                await job_bucket.acquire()
+            if bucket is not lane.limiter or job_bucket is not self.limiter:
+                continue  # the rate was shared out meanwhile (``share``): wait in the new bucket
             # The waits above took time: decide on what holds *now* (a pause may have begun,
             # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()

@@ -153,6 +153,8 @@ class Heartbeat:
         """Before the run's first request: take its share of the job's rate, and give the
         runs already at work the time to take theirs (their next heartbeat), so that together
         they never go over the job's rate."""
-        await self.beat(asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        await self.beat(loop.time())
         if self.live > 1:
             await asyncio.sleep(2 * HEARTBEAT)
+            await self.beat(loop.time())  # runs that joined meanwhile: a smaller share

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,11 +165,46 @@ def scaling(args: argparse.Namespace, work: Path, ids: Path) -> None:
 
 
 
+class Wire:
+    """The requests as they reach the server's socket (``tcpdump`` on loopback: each TCP
+    segment to ``port`` whose payload begins with ``GET``), judged by the kernel's clock: a
+    stall of the mock (it logs a start when its handler runs) shows in its log as a burst of
+    the senders, not here. Needs tcpdump and the right to capture; else ``times`` is None."""
+
+    def __init__(self, work: Path, port: int) -> None:
+        self.path = work / f"wire-{port}.txt"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if shutil.which("tcpdump") is None:
+            return
+        with self.path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                ["tcpdump", "-i", "lo", "-tt", "-n", "-B", "16384",
+                 f"tcp dst port {port} and tcp[((tcp[12:1] & 0xf0) >> 2):4] = 0x47455420"],
+                stdout=out, stderr=subprocess.PIPE)
+        assert self.proc.stderr is not None  # "listening on lo" once it captures
+        if not any(b"listening" in self.proc.stderr.readline() for _ in range(3)):
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def times(self) -> list[float] | None:
+        """Stop the capture: the GET segments' times, sorted (None: no capture)."""
+        if self.proc is None:
+            return None
+        time.sleep(0.5)  # the last segments reach the capture's buffer
+        self.proc.terminate()
+        self.proc.wait()
+        return sorted(float(line.split()[0]) for line in self.path.read_text().splitlines()
+                      if line[:1].isdigit())
+
+
 def rate_bound(args: argparse.Namespace, work: Path, ids: Path) -> None:
     log = work / "rate.log"
     with MockProcess(log, "--no-auth", "--faults", "none", "--latency", "0.02") as mock:
         burst = 10
+        wire = Wire(work, int(mock.item_url.split(":")[2].split("/")[0]))
         _wall, codes = crawl(work, mock.item_url, args.pg, ids, 4, 64, args.rate, burst)
+        sent = wire.times()
         entries = mock.settled_log()
     starts = sorted(e.t for e in entries if e.event == "start")
     worst = window_max(starts)
@@ -177,6 +213,8 @@ def rate_bound(args: argparse.Namespace, work: Path, ids: Path) -> None:
     print(f"\nrate-bound: 4 processes, job rate {args.rate:g}/s, burst {burst}, concurrency 64 "
           f"each (exit {codes})")
     print(f"  most starts in any 1-s window: {worst} (bound {args.rate * 1.05 + burst:.0f})")
+    if sent is not None:
+        print(f"  the same on the wire (tcpdump, {len(sent):,} GETs): {window_max(sent)}")
     print(f"  mean rate after the first and before the last second: {mean:,.1f}/s "
           f"({mean / args.rate:.1%} of the rate; target >= 95 %)")
 

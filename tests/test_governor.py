@@ -243,3 +243,32 @@ async def test_an_open_breaker_stands_down_when_nothing_unsent_is_left() -> None
     gov.unsent = lambda: False  # only retries left: each goes by its own backoff
     ticket = await asyncio.wait_for(gov.acquire(), 5)
     assert not gov.breaker_open and not ticket.probe
+
+
+async def test_requests_waiting_when_the_rate_is_shared_out_go_at_the_new_rate() -> None:
+    """A run of a shared job that takes a smaller share (more runs joined) paces the requests
+    already waiting for its bucket at the new rate too: they used to drain at the old rate
+    (a burst over the job's rate in the first seconds of a multi-process job)."""
+    gov = Governor(rate=1000, burst=1, adaptive=False)
+    loop = asyncio.get_running_loop()
+    passed: list[float] = []
+
+    async def worker() -> None:
+        while True:
+            await gov.acquire()
+            passed.append(loop.time())
+
+    await gov.acquire()  # the bucket is full: every worker below waits in it
+    workers = [asyncio.create_task(worker()) for _ in range(30)]
+    await asyncio.sleep(0)  # each is waiting in the bucket of 1,000/s
+    gov.share(100)  # 99 more runs: 10/s
+    t0 = loop.time()
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    elapsed = loop.time() - t0
+    # At 10/s with a burst of 1: at most 1 + 10 x the time (30 in a few ms before the fix)
+    assert 1 <= len(passed) <= 2 + 10 * elapsed * 1.05, (len(passed), elapsed)
