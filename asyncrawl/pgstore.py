@@ -167,14 +167,24 @@ ON CONFLICT (job, id) DO UPDATE SET
     lease_until = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_until END,
     doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
 """
-# An intent over another run's open intent (a run that stalled past its lease while another
-# claimed the ID): both requests may be billed, so the ID is in doubt from now on.
-UPSERT_SENT = """
-INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends)
-SELECT %(job)s, v.id, %(run)s, 1 FROM unnest(%(id)s::text[]) AS v(id)
+# An intent is fenced by the lease: it is written (and the request may leave) only while the
+# ID is this run's (leased to it, or open and leased to nobody: then the intent takes the
+# lease). A run that stalled past its lease while another claimed the ID is refused: the ID is
+# the other's to send (``RETURNING`` names those written; the rest were refused). The intent
+# extends the lease, so that no claim takes the ID while its request is out. An intent over
+# another run's open intent (kept as a safeguard) puts the ID in doubt.
+UPSERT_SENT = f"""
+INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends, lease_owner, lease_until)
+SELECT %(job)s, v.id, %(run)s, 1, %(run)s, {NOW} + %(lease)s
+FROM unnest(%(id)s::text[]) AS v(id)
 ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1,
+    lease_owner = excluded.lease_owner,
+    lease_until = greatest(i.lease_until, excluded.lease_until),
     doubt = CASE WHEN i.sent_run <> excluded.sent_run AND i.doubt IS NULL THEN 0
                  ELSE i.doubt END
+WHERE i.lease_owner = %(run)s
+    OR (i.lease_owner IS NULL AND (i.state IS NULL OR i.state IN ('failed', 'perm')))
+RETURNING i.id
 """
 
 
@@ -241,6 +251,7 @@ class PgStore:
         self._endpoint = ""
         self._dead = False
         self._day = (-1, "")
+        self._refused: set[str] = set()  # IDs whose intent the commit under way refused
         self._locks = {name: threading.Lock() for name in conns}
         self.job: dict[str, Any] | None = None
 
@@ -668,8 +679,9 @@ class PgStore:
 
     # -- the Store interface: the writer's commit ----------------------------------------------
 
-    def commit(self, records: Sequence[Record]) -> None:
-        """One transaction for the batch: durable when this returns."""
+    def commit(self, records: Sequence[Record]) -> frozenset[str]:
+        """One transaction for the batch: durable when this returns. Returns the IDs whose
+        ``sent`` intent was refused (see ``UPSERT_SENT``)."""
         if self._dead:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=safe_url(self.url))
@@ -678,8 +690,9 @@ class PgStore:
         for attempt in range(1, COMMIT_TRIES + 1):
             try:
                 with self._locks["writer"], db.transaction():
+                    self._refused = set()
                     self._apply(records)
-                return
+                return frozenset(self._refused)
             except psycopg.Error as e:
                 # a deadlock or serialization failure: PostgreSQL rolled the whole transaction
                 # back, so the batch is written again from the start (not 40003, "statement
@@ -698,6 +711,7 @@ class PgStore:
     def _apply_grouped(self, records: Sequence[Record]) -> None:
         db = self._conns["writer"]
         sent: list[str] = []
+        calls: list[tuple[str | None, str, str | None]] = []  # the intents: (id, day, key)
         outcomes: list[Record] = []
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
@@ -709,9 +723,7 @@ class PgStore:
             day = self._day[1]
             if kind == "sent":
                 sent.append(rec.id or "")
-                ledger[(day, self._endpoint, "sent")] += 1
-                if rec.key is not None:
-                    keys[(day, rec.key, "sent")] += 1
+                calls.append((rec.id, day, rec.key))
             elif kind in OUTCOME_KINDS:
                 outcomes.append(rec)
             elif kind == "billed":
@@ -731,6 +743,11 @@ class PgStore:
                 for key, n in rec.paid_keys().items():
                     keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
+        for item_id, day, key in calls:  # the intents written (refused ones are not sent)
+            if item_id not in self._refused:
+                ledger[(day, self._endpoint, "sent")] += 1
+                if key is not None:
+                    keys[(day, key, "sent")] += 1
         for sql, counts in ((ADD_LEDGER, ledger), (ADD_KEY_LEDGER, keys)):
             for day, what, n_sent, n_billable in call_rows(counts):
                 db.execute(sql, (self.job_name, day, what, self._run, n_sent, n_billable))
@@ -738,7 +755,10 @@ class PgStore:
     def _flush(self, sent: list[str], outcomes: list[Record]) -> None:
         db = self._conns["writer"]
         for part in _distinct(sent, lambda x: x):
-            db.execute(UPSERT_SENT, {"job": self.job_name, "run": self._run, "id": part})
+            written = db.execute(UPSERT_SENT, {"job": self.job_name, "run": self._run,
+                                               "id": part, "lease": self.lease}).fetchall()
+            if len(written) < len(part):
+                self._refused.update(set(part).difference(r[0] for r in written))
         for group in _distinct(outcomes, lambda r: r.id):
             db.execute(UPSERT_OUTCOME, {
                 "job": self.job_name, "gen": self._gen, "run": self._run,

@@ -22,6 +22,7 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,15 @@ OUTCOME_KINDS = ("ok", "failed", "unavailable")
 # what ``export --outcome X`` takes: the states of each outcome
 EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
+
+
+class Commit(enum.Enum):
+    """What became of a record a caller waited for (``writer.Writer.commit``)."""
+
+    DURABLE = "durable"  # committed: it counts
+    FAILED = "failed"  # the state could not be written (the run is stopping: exit 5)
+    REFUSED = "refused"  # a ``sent`` intent for an ID that another process of the job holds
+    #                      now (this one's lease ran out): the request must not leave
 
 
 def state_of(kind: str, permanent: bool) -> str:

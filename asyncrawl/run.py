@@ -413,6 +413,9 @@ class Run:
             finally:  # (cancelled again meanwhile: the workers have stopped all the same)
                 self.tally.requests += workers.requests
                 self.tally.retries += workers.retries
+                if workers.left > 1:
+                    log.warning("%d IDs whose lease this process lost were left to other "
+                                "processes of the job", workers.left)
                 self._workers = None
                 self.cut_off |= workers.flying
                 for item in workers.unsettled():

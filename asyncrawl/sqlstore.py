@@ -387,8 +387,9 @@ class SqliteStore:
 
     # -- the Store interface: writing (the writer's thread) -----------------------------------
 
-    def commit(self, records: Sequence[Record]) -> None:
-        """One transaction for the batch: durable (WAL fsync) when this returns."""
+    def commit(self, records: Sequence[Record]) -> frozenset[str]:
+        """One transaction for the batch: durable (WAL fsync) when this returns. One process
+        owns the state: no intent is refused."""
         if self._dead:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=self.path)
@@ -405,6 +406,7 @@ class SqliteStore:
         except sqlite3.Error as e:
             self._dead = True
             raise _storage_error(e, self.path, "write the state database") from None
+        return frozenset()
 
     def _apply(self, records: Sequence[Record]) -> None:
         """The one place where records become state. Within a run, an ID's ``sent`` record

@@ -26,7 +26,9 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            start), ``unsettled()`` the IDs held unsettled before that point,
                            ``source_lines(source)`` the file's ID count as checked before
 ``commit(records)``        append a batch and make it durable (one fsync or transaction), then let
-                           it count; blocking, called only from the writer's thread. Raises
+                           it count; blocking, called only from the writer's thread. Returns
+                           the IDs whose ``sent`` intent it refused (another process of a
+                           shared job holds them now; never on one machine). Raises
                            ``StorageError``; after one, the store takes no more writes
 ``snapshot()``             the figures of ``status`` (``records.Snapshot``), from indexes
 ``records(outcome)``       stream the records to export: ``ok`` (each ID's result, once),
@@ -71,7 +73,7 @@ class Store(Protocol):
 
     def source_lines(self, source: dict[str, Any]) -> int | None: ...
 
-    def commit(self, records: Sequence[Record]) -> None: ...
+    def commit(self, records: Sequence[Record]) -> frozenset[str]: ...
 
     def snapshot(self) -> Snapshot: ...
 

@@ -13,15 +13,19 @@ What an attempt leads to is a value, ``decide(...) -> Verdict``, which the loop 
               at the gate, the try not charged
 
 To SETTLE is to queue the ID's outcome record for the writer and note it in the pass's
-``Ledger``; it counts only once the writer reports it durable. The worker talks only to what
-is below it: the queue, the governor, the fetcher, the writer, and the two plain objects its
-owner reads (``Ledger``, ``Stop``).
+``Ledger``; it counts only once the writer reports it durable. Before each request its ``sent``
+intent is committed; a shared job's store may refuse it (another process holds the ID now:
+this one stalled past its lease), and then the ID is left to that process, not sent.
+
+The worker talks only to what is below it: the queue, the governor, the fetcher, the writer,
+and the two plain objects its owner reads (``Ledger``, ``Stop``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
@@ -29,9 +33,11 @@ from .config import Config, key_fingerprint
 from .fetch import Attempt, Fetcher, Outcome
 from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
-from .records import Record
+from .records import Commit, Record
 from .retry import retry_delay
 from .types import Halt
+
+log = logging.getLogger("asyncrawl")
 
 KEY_REFUSED = frozenset({401, 402})  # with several keys: the key's fault, it is retired
 
@@ -182,6 +188,17 @@ class Ledger:
         """Whether IDs of this pass may still be sent for the first time (the governor asks)."""
         return self.feeding or self.unsent > 0
 
+    def left(self, item: Item) -> None:
+        """``item`` was left to another process of the job (its intent was refused): not
+        this pass's to settle."""
+        if not item.sent and not item.suspect:
+            self.unsent -= 1
+            if item.block >= 0:
+                self._uncovered[item.block] -= 1
+        self.outstanding -= 1
+        if self.outstanding == 0 and not self.feeding:
+            self.done.set()
+
     def settled(self, item: Item, rec: Record) -> None:
         if rec.kind == "failed":
             self.failed[item.id] = (rec.permanent, rec.status, rec.error, item.tries,
@@ -196,7 +213,7 @@ class Sink(Protocol):
 
     def put(self, record: Record) -> None: ...
 
-    def commit(self, record: Record) -> Awaitable[bool]: ...
+    def commit(self, record: Record) -> Awaitable[Commit]: ...
 
 
 def outcome_record(item: Item, attempt: Attempt, kind: str, *, permanent: bool, pass_no: int,
@@ -249,6 +266,7 @@ class Worker:
         self.idle.set()
         self.requests = 0
         self.retries = 0
+        self.left = 0  # IDs left to another process of the job (``_leave``)
 
     def __repr__(self) -> str:
         return (f"<Worker pass={self.pass_no} queued={self.queue.qsize()} "
@@ -268,9 +286,16 @@ class Worker:
             # known to be in doubt (possibly billed). Group-committed with other records.
             lane = ticket.lane
             sent = Record.sent(item.id, self.fingerprints[lane])
-            if stop.is_set() or not await self.sink.commit(sent) or stop.is_set():
+            if stop.is_set() or (commit := await self.sink.commit(sent)) is Commit.FAILED \
+                    or stop.is_set():
                 budget.release(False)  # no await between the last check and the send
                 return
+            if commit is Commit.REFUSED:  # another process of the job holds the ID now
+                budget.release(False)
+                gov.unused(ticket)
+                del held[id(item)]
+                self._leave(item)
+                continue
             if gov.lanes[lane].retired:
                 # its key was refused while the intent was being committed: not sent with
                 # it; the ID goes again with another key (this intent stays unanswered, like
@@ -304,6 +329,21 @@ class Worker:
             self.act(item, attempt, verdict, lane)
             if budget.exhausted and not self.ledger.done.is_set():  # (the pass's last ID:
                 stop.set(budget_halt(budget))  # finished; a pass 2 is halted before it starts)
+
+    def _leave(self, item: Item) -> None:
+        """``item``'s intent was refused: this process stalled past its lease (a pause of the
+        process, of its machine, of its link to the database) and another process of the job
+        claimed the ID. It is that one's to send; its answers billed here are recorded."""
+        self.left += 1
+        if self.left == 1:
+            log.warning("this process lost the lease of ID %r to another process of the job "
+                        "(it was held up for longer than the lease): that one fetches it",
+                        item.id)
+        if item.paid:
+            key, by = paid_keys(item)
+            self.sink.put(Record("billed", item.id, paid=item.paid, key=key,
+                                 extra={"paid_by": by} if by else None))
+        self.ledger.left(item)
 
     def _retire(self, lane: int, attempt: Attempt) -> bool:
         """A fatal answer with the key of ``lane``: with several keys, a 401/402 retires that

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import StorageError
-from .records import Record
+from .records import Commit, Record
 from .store import Store
 
 
@@ -25,7 +25,8 @@ class Writer:
     Records are queued by ``put`` (or ``commit``, to wait until one is durable). The writer's
     own thread takes everything queued since its last write and hands it to ``store.commit``
     (one transaction: group commit), then hands each committed part back to the event loop,
-    which resolves the ``commit`` futures and calls ``on_commit(records)``, in commit order.
+    which resolves the ``commit`` futures and calls ``on_commit(records)``, in commit order
+    (without the ``sent`` intents the store refused: another process of the job holds the ID).
     fsync never blocks the loop, and a commit costs the loop one wake-up, not a round trip per
     step. The ``ok`` results that nobody waits for are held back up to ``hold`` seconds (at
     most ``hold_limit`` of them) and committed together, so that the ``sent`` intents, which
@@ -74,12 +75,12 @@ class Writer:
         """Queue a record (never blocks; the writer batches what accumulates)."""
         self._queue.put((record, None))
 
-    def commit(self, record: Record) -> asyncio.Future[bool]:
-        """Queue a record; the future says when it is durable: ``True``, or ``False`` if it
-        cannot be."""
+    def commit(self, record: Record) -> asyncio.Future[Commit]:
+        """Queue a record; the future says when it is durable (``Commit.DURABLE``), or that it
+        cannot be (``FAILED``), or that the store refused it (``REFUSED``: a ``sent`` intent)."""
         fut = (self._loop or asyncio.get_running_loop()).create_future()
         if self.failed is not None:
-            fut.set_result(False)
+            fut.set_result(Commit.FAILED)
         else:
             self._queue.put((record, fut))
             self._asked += 1
@@ -183,20 +184,21 @@ class Writer:
             self._hurry.wait(seconds)
         self._napping = False
 
-    def _write(self, batch: list[_Entry]) -> tuple[bool, StorageError | None]:
-        """Commit the batch to the store, unless an earlier batch failed: (durable, error)."""
+    def _write(self, batch: list[_Entry]
+               ) -> tuple[bool, StorageError | None, frozenset[str]]:
+        """Commit the batch to the store, unless an earlier batch failed: (durable, error,
+        the IDs whose intent the store refused)."""
         if self.failed is not None:
-            return False, None
+            return False, None, _NONE
         try:
-            self.store.commit([rec for rec, _ in batch])
-            return True, None
+            return True, None, self.store.commit([rec for rec, _ in batch])
         except StorageError as e:
             error = e
         except Exception as e:  # a bug: stop writing, as for a storage error
             error = StorageError(f"state writer failed: {type(e).__name__}: {e}",
                                  path=self.store.location)
         self.failed = error
-        return False, error
+        return False, error, _NONE
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -205,12 +207,22 @@ class Writer:
 
     # -- back on the event loop ----------------------------------------------------------------
 
-    def _done(self, batch: list[_Entry], durable: bool, error: StorageError | None) -> None:
+    def _done(self, batch: list[_Entry], durable: bool, error: StorageError | None,
+              refused: frozenset[str]) -> None:
         if error is not None:
             self.on_error(error)
+        if refused:  # (a shared job, after this process stalled past its leases: rare)
+            kept = []
+            for rec, fut in batch:
+                if rec.kind == "sent" and rec.id in refused:
+                    if fut is not None and not fut.done():
+                        fut.set_result(Commit.REFUSED)
+                else:
+                    kept.append((rec, fut))
+            batch = kept
         for _, fut in batch:
             if fut is not None and not fut.done():
-                fut.set_result(durable)
+                fut.set_result(Commit.DURABLE if durable else Commit.FAILED)
         if durable:
             self.commits += 1
             self.written += len(batch)
@@ -220,7 +232,8 @@ class Writer:
                 self._bug = self._bug or e
 
 
-_Entry = tuple[Record, "asyncio.Future[bool] | None"]
+_Entry = tuple[Record, "asyncio.Future[Commit] | None"]
+_NONE: frozenset[str] = frozenset()
 _BARRIERS = frozenset({"run", "mark", "halt", "end"})  # records about everything before them
 
 

@@ -183,6 +183,44 @@ def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
     assert snap.in_doubt + snap.billed_twice >= len(twice)
 
 
+def test_a_process_stopped_past_its_leases_does_not_send_what_another_took(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    """A process frozen (SIGSTOP: a stopped VM, a long pause) past its 2-s leases while another
+    takes its IDs and fetches them: once it runs again, it does not send the IDs it held and
+    had not sent (their intents are refused); only what it had out when it froze may be paid
+    twice, and that is in doubt. It was every ID it held."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = write_ids(tmp_path / "ids.txt", [f"s{i}" for i in range(300)])
+    victim = _run(_config(tmp_path, mock.item_url, job, ids,
+                          limits={"concurrency": 4, "rate": 20, "burst": 1}))
+    done = "SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'"
+    _wait_for(lambda: pg_rows(done, job)[0][0] >= 20, 60, "20 IDs ok")
+    victim.send_signal(signal.SIGSTOP)
+    try:
+        held = pg_rows("SELECT count(*) FROM asyncrawl_items i JOIN asyncrawl_runs r ON "
+                       "i.lease_owner = r.run WHERE i.job = %s AND r.pid = %s AND "
+                       "i.state IS NULL", job, victim.pid)[0][0]
+        assert held > 4 * 4  # far more than it can have in flight: the test can tell
+        other = _run(_config(tmp_path, mock.item_url, job, None,
+                             limits={"concurrency": 16, "rate": 400}))
+        _, err = other.communicate(timeout=120)
+        assert other.returncode == 0, err
+        assert pg_rows(done, job)[0][0] == 300
+    finally:
+        victim.send_signal(signal.SIGCONT)
+    _, err = victim.communicate(timeout=60)
+    assert victim.returncode == 0, err
+    paid = collections.Counter(e.id for e in mock.settled_log()
+                               if e.event == "end" and e.status == 200)
+    assert set(paid) == {f"s{i}" for i in range(300)}
+    twice = sorted(i for i, n in paid.items() if n > 1)
+    assert len(twice) <= 4, (twice, held)  # what it had in flight (concurrency 4)
+    snap = read_store(PG, job=job).snapshot()
+    assert snap.counts == Counts(ok=300, failed=0, unavailable=0)
+    assert snap.in_doubt + snap.billed_twice >= len(twice)
+    assert "lost the lease" in err
+
+
 def test_a_402_seen_by_one_process_halts_all_within_a_second(
         tmp_path: Path, job: str, mock_process: Any) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05",
@@ -550,29 +588,35 @@ def test_a_halt_from_before_a_run_started_does_not_silence_its_own(job: str) -> 
     asyncio.run(go())
 
 
-def test_a_send_over_another_run_s_open_intent_is_in_doubt(job: str) -> None:
-    """A run that stalled past its lease (a long GC pause, a stopped VM) sends an ID another run
-    has claimed and sent meanwhile: both may be billed, and the job says so."""
+def test_a_run_that_stalled_past_its_lease_is_refused_the_send(job: str) -> None:
+    """A run that stalled past its lease (a long GC pause, a stopped VM) wakes up to send an ID
+    another run has claimed meanwhile: its intent is refused (the request does not leave), the
+    ID is the other's, and only the other's call is in the ledger. An ID whose lease ran out
+    while nobody claimed it is still the stalled run's to send."""
     import psycopg
 
     from asyncrawl.records import Record
 
     async def go() -> None:
         a, b = await _run_of(job, 1), await _run_of(job, 2)
-        await a.merge(["x"])
-        assert [r[0] for r in await a.claim(1, 10)] == ["x"]
+        await a.merge(["x", "y"])
+        assert sorted(r[0] for r in await a.claim(1, 10)) == ["x", "y"]
         with psycopg.connect(PG, autocommit=True) as db:  # what a 30-s stall does to the lease
             db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s", (job,))
-        assert [r[0] for r in await b.claim(1, 10)] == ["x"]
-        b.commit([Record.sent("x")])
-        a.commit([Record.sent("x")])  # a wakes up and sends as well
+        assert sorted(r[0] for r in await b.claim(1, 1)) == ["x"]  # "y" is left unclaimed
+        assert b.commit([Record.sent("x")]) == frozenset()
+        assert a.commit([Record.sent("x"), Record.sent("y")]) == {"x"}  # a wakes up: "y" only
         b.commit([Record("ok", "x", status=200, data={"v": 1}, paid=1)])
+        a.commit([Record("ok", "y", status=200, data={"v": 2}, paid=1)])
         for s in (a, b):
             s.commit([Record("end", extra={})])
             await s.close()
 
     asyncio.run(go())
-    assert pg_rows("SELECT sends, doubt FROM asyncrawl_items WHERE job = %s", job) == [(2, 1)]
+    assert pg_rows("SELECT id, sends, doubt FROM asyncrawl_items WHERE job = %s ORDER BY id",
+                   job) == [("x", 1, None), ("y", 1, None)]
+    assert pg_rows("SELECT sum(sent)::int, sum(billable)::int FROM asyncrawl_ledger "
+                   "WHERE job = %s", job) == [(2, 2)]
 
 
 def test_a_claim_under_way_when_its_run_ends_leaves_no_lease_behind(job: str) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
-from asyncrawl.records import Counts, Record
+from asyncrawl.records import Commit, Counts, Record
 from asyncrawl.sqlstore import DB
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import Writer
@@ -305,11 +305,12 @@ class FailingStore:
         self.fail_at, self.calls = fail_at, 0
         self.kept: list[Record] = []
 
-    def commit(self, records: Sequence[Record]) -> None:
+    def commit(self, records: Sequence[Record]) -> frozenset[str]:
         self.calls += 1
         if self.calls >= self.fail_at:
             raise StorageError("cannot write the state database: disk I/O error", path=self.location)
         self.kept += records
+        return frozenset()
 
 
 async def test_writer_storage_error_stops_writing() -> None:
@@ -318,9 +319,9 @@ async def test_writer_storage_error_stops_writing() -> None:
     errors: list[StorageError] = []
     w = Writer(store, on_commit=committed_.extend, on_error=errors.append)  # type: ignore[arg-type]
     task = asyncio.create_task(w.run())
-    assert await w.commit(RECORDS[0]) is True
-    assert await w.commit(RECORDS[1]) is False  # its batch failed: not durable, and said so
-    assert await w.commit(RECORDS[2]) is False  # nothing is tried after a failure
+    assert await w.commit(RECORDS[0]) is Commit.DURABLE
+    assert await w.commit(RECORDS[1]) is Commit.FAILED  # its batch failed: not durable, and said so
+    assert await w.commit(RECORDS[2]) is Commit.FAILED  # nothing is tried after a failure
     w.close()
     await task
     assert store.calls == 2 and len(errors) == 1 and w.failed is errors[0]
@@ -343,7 +344,7 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
         await asyncio.sleep(0.001)
     w.put(Record("ok", "b", ts=TS))
     started = loop.time()
-    assert await w.commit(Record("sent", "c", ts=TS)) is True
+    assert await w.commit(Record("sent", "c", ts=TS)) is Commit.DURABLE
     assert loop.time() - started < 15  # not the 30 s linger: the commit woke the writer
     w.close()
     await task
@@ -367,10 +368,10 @@ async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) 
                on_error=print, linger=0, hold=3600)
     task = asyncio.create_task(w.run())
     w.put(Record("ok", "a", status=200, data={"n": 1}, paid=1, ts=TS))
-    assert await w.commit(Record("sent", "b", ts=TS)) is True
+    assert await w.commit(Record("sent", "b", ts=TS)) is Commit.DURABLE
     w.put(Record("ok", "b", status=200, data={"n": 2}, paid=1, ts=TS))
-    assert await w.commit(Record("sent", "c", ts=TS)) is True  # not behind "a" and "b"
-    assert await w.commit(Record("mark", extra={"pass": 1}, ts=TS)) is True
+    assert await w.commit(Record("sent", "c", ts=TS)) is Commit.DURABLE  # not behind "a" and "b"
+    assert await w.commit(Record("mark", extra={"pass": 1}, ts=TS)) is Commit.DURABLE
     w.put(Record("ok", "c", status=200, data={"n": 3}, paid=1, ts=TS))
     w.close()
     await task
@@ -397,7 +398,7 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     w.put(Record("ok", "c", status=200, data={"n": 3}, paid=1, ts=TS))
     w.close()
     await w.run()
-    assert await intent is True
+    assert await intent is Commit.DURABLE
     assert batches == [[("failed", "b"), ("sent", "b")], [("ok", "a"), ("ok", "c")]]
     batches.clear()
     w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
@@ -407,7 +408,7 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     w.put(Record("end", extra={"in_doubt": ["e"]}, ts=TS))
     w.close()
     await w.run()
-    assert await intent is True
+    assert await intent is Commit.DURABLE
     assert batches == [[("ok", "d"), ("sent", "e"), ("end", None)]]
     await store.close()
     in_doubt = dict(read_store(state).in_doubt())
