@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import functools
 import gc
 import json
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ._version import __version__
-from .config import Config, expand_env
+from .config import UNUSED_URL, Config, expand_env
 from .errors import AsyncrawlError, ConfigError, InputError
 from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
@@ -192,9 +193,11 @@ def _headers(raw: list[str], secrets: set[str], need_env: bool = True) -> dict[s
     return out
 
 
-def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides: Any) -> Config:
+def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bool = True,
+                **overrides: Any) -> Config:
     """The config file (``-c`` or ./config.toml) with command-line flags on top.
-    ``need_env=False`` for commands that only read the state: they never need the secrets."""
+    ``need_env=False`` for commands that only read the state: they never need the secrets;
+    ``need_url=False`` for those that read nothing else (``Config.load``)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if getattr(args, "state", None):
         overrides["state_url" if is_url(args.state) else "state_dir"] = args.state
@@ -205,10 +208,10 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, **overrides:
         if "url" not in overrides:
             if overrides.keys() <= {"state_dir", "state_url", "job"}:
                 # status/export need only the state
-                return Config(url="http://unused/{id}", **overrides)
+                return Config(url=UNUSED_URL, **overrides)
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
         return Config.from_dict({}, **overrides)  # every value is a flag: errors name the flag
-    return Config.load(path, need_env=need_env, **overrides)
+    return Config.load(path, need_env=need_env, need_url=need_url, **overrides)
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -407,12 +410,30 @@ def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: 
                     extra={"event": "halt", "fields": summary.halt.as_dict()})
 
 
-def _spool_stdin() -> str:
-    fd, path = tempfile.mkstemp(prefix="asyncrawl-ids-")
-    with os.fdopen(fd, "wb") as f:
+SPOOL = "asyncrawl-ids-"  # stdin's IDs are copied to a file of that name in the temp directory
+STALE_SPOOL = 60.0  # seconds: a spool at least this old that nobody holds was a killed run's
+
+
+def _spool_stdin() -> tuple[str, int]:
+    """Copy stdin's IDs to a temporary file (a run reads its IDs file more than once): its path
+    and an open descriptor, flock()ed while the run lives. The run removes it at its end; one
+    that was killed (``kill -9``) could not: the next run given stdin removes such leftovers."""
+    for old in Path(tempfile.gettempdir()).glob(f"{SPOOL}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime < STALE_SPOOL:
+                continue  # (one just made, perhaps not locked yet)
+            held = os.open(old, os.O_RDONLY)
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: its run is gone
+                old.unlink()
+            finally:
+                os.close(held)
+    fd, path = tempfile.mkstemp(prefix=SPOOL)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
         while chunk := sys.stdin.buffer.read(1 << 20):
             f.write(chunk)
-    return path
+    return path, fd
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -421,10 +442,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if not config.ids and config.state_url is None:
             raise ConfigError("no IDs: pass --ids PATH (or - for stdin) or set [source] ids")
-        spooled = None
+        spooled, spool_fd = None, -1
         ids_path = config.ids  # None: join a shared job and work on the IDs it has
         if ids_path == "-":
-            ids_path = spooled = _spool_stdin()
+            ids_path, spool_fd = _spool_stdin()
+            spooled = ids_path
         try:
             # an IDs file the state has read before, unchanged, is not checked and counted again
             total = None if spooled or not ids_path else _known_lines(config, ids_path)
@@ -455,6 +477,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         finally:
             if spooled:
                 os.unlink(spooled)
+                os.close(spool_fd)
         _report_end(summary, config, total=total, errors=errors,
                     to_log=args.log_format == "json" or args.log_file is not None)
         return summary.exit_code
@@ -511,7 +534,7 @@ def _dry_run(config: Config, ids_path: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    config = load_config(args, need_env=False)
+    config = load_config(args, need_env=False, need_url=False)
     has_config = bool(args.config) or Path("config.toml").is_file()
     s = status(config, endpoint="" if has_config else None)  # "": from the config's URL
     print(json.dumps(s) if args.json else status_text(s))
@@ -519,7 +542,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    config = load_config(args, need_env=False)
+    config = load_config(args, need_env=False, need_url=False)
     fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
     export(config, outcome=args.outcome, fmt=args.format, fields=fields,
            out=sys.stdout, path=args.output)

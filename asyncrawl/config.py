@@ -40,6 +40,7 @@ DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials
 MAX_ID_LENGTH = 1024
 MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT, 0.3 s)
+UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
 _PARAM_NAMES = r"key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(?:nature)?"
@@ -183,11 +184,14 @@ class Config:
     # -- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, need_env: bool = True, **overrides: Any) -> Config:
+    def load(cls, path: str | os.PathLike[str], *, need_env: bool = True, need_url: bool = True,
+             **overrides: Any) -> Config:
         """Read a TOML file; ``overrides`` (e.g. from CLI flags) win over the file.
 
         ``need_env=False`` is for reading state (``status``, ``export``, ``--dry-run``): a
-        ``${VAR}`` that is not set is no error then (the value is never sent anywhere)."""
+        ``${VAR}`` that is not set is no error then (the value is never sent anywhere).
+        ``need_url=False``: for ``status`` and ``export``, which read only the state, a file
+        without ``[request] url`` is no error (a file that names just the state will do)."""
         p = Path(path)
         try:
             with p.open("rb") as f:
@@ -198,13 +202,13 @@ class Config:
             raise ConfigError(f"cannot read config file: {e.__class__.__name__}", path=p) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"invalid TOML: {e}", path=p) from None
-        return cls.from_dict(doc, path=p, need_env=need_env, **overrides)
+        return cls.from_dict(doc, path=p, need_env=need_env, need_url=need_url, **overrides)
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], *, path: Path | None = None, need_env: bool = True,
-                  **overrides: Any) -> Config:
+                  need_url: bool = True, **overrides: Any) -> Config:
         """Build from a parsed TOML document (sections and keys as in ``config.toml``);
-        ``need_env`` as in :meth:`load`."""
+        ``need_env`` and ``need_url`` as in :meth:`load`."""
         kwargs: dict[str, Any] = {}
         secrets: set[str] = set()
         base = path.parent if path else Path.cwd()
@@ -234,7 +238,10 @@ class Config:
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         kwargs["secrets"] = frozenset(secrets) | frozenset(kwargs.get("secrets", ()))
         if "url" not in kwargs:
-            raise ConfigError("is required (the URL template with {id})", key="request.url", path=path)
+            if need_url:
+                raise ConfigError("is required (the URL template with {id})", key="request.url",
+                                  path=path)
+            kwargs["url"] = UNUSED_URL
         replaced = {k for k, v in overrides.items() if v is not None and k in in_file}
         if replaced:  # a value a flag replaces is checked all the same: the file is wrong
             try:

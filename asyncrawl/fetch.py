@@ -592,6 +592,12 @@ INCURABLE = {
     ErrorKind.TLS: "if the server uses a private CA, add it with [request] ca_bundle; check the "
                    "host name of [request] url",
 }
+# Skip-class answers that, given for every request from the first on, say the job cannot work
+# (not that those IDs are missing): what to fix. ``run`` halts on them (``REFUSED_AFTER``).
+REFUSING = {
+    403: "the API forbids these requests: check the API key, its permissions and the URL",
+    405: "the API does not take this method there: check [request] method and url",
+}
 
 
 def _connect_error(e: aiohttp.ClientConnectorError) -> tuple[ErrorKind, str]:

@@ -254,8 +254,9 @@ def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
     readers of the target see the old file or the complete new one, never a partial export."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as e:
-        raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
+    except OSError as e:  # (no such directory, no permission: the flag's fault, exit 2)
+        raise ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
+                          path=target) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             n = write(f)

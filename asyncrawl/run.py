@@ -38,7 +38,7 @@ from ._version import __version__
 from .alerts import send_alerts
 from .config import Config, key_fingerprint
 from .errors import JobMismatch, StorageError
-from .fetch import INCURABLE, Attempt, Classifier, Fetcher, Outcome, Request, keep_reads_off_mmap
+from .fetch import INCURABLE, REFUSING, Attempt, Classifier, Fetcher, Outcome, Request, keep_reads_off_mmap
 from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
@@ -54,6 +54,7 @@ from .writer import Writer
 log = logging.getLogger("asyncrawl")
 
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
+REFUSED_AFTER = 20  # answers, all refusing alike (``fetch.REFUSING``) before any other, that halt it
 
 # IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
 # and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
@@ -92,6 +93,7 @@ class Run:
         self._workers: Worker | None = None
         self.resumed = False  # read an unchanged IDs file on from the state's frontier
         self._answered = False
+        self._refusals = collections.Counter[int]()
         self._incurable = collections.Counter[ErrorKind]()
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
@@ -471,14 +473,26 @@ class Run:
     def _observe(self, item: str, attempt: Attempt) -> None:
         """Every attempt: the hook, and an early stop when the job cannot work at all (a
         refused connection, a name that does not resolve, a certificate that does not verify,
-        from the very first requests on). Once anything answered, the same errors are an
-        outage, for the breaker."""
+        from the very first requests on: exit 2), or when the API refuses it (a 403 or 405 for
+        each of the first ``REFUSED_AFTER`` requests: a halt like a 401's, exit 3, instead of
+        every ID given up on as unavailable). Once anything else answered, the same errors are
+        an outage, for the breaker, and the same answers are about their IDs."""
         if self.hooks.on_attempt is not None:
             self.hooks.on_attempt(item, attempt.status, attempt.error)
         if self._answered:
             return
-        if attempt.status is not None:
-            self._answered = True
+        status = attempt.status
+        if status is not None:
+            refusal = REFUSING.get(status) if attempt.outcome is Outcome.SKIP else None
+            if refusal is None:
+                self._answered = True
+                return
+            self._refusals[status] += 1
+            if self._refusals[status] >= REFUSED_AFTER and not self.stop.is_set():
+                self.stop.set(Halt("fatal", status, self.config.redact(
+                    f"HTTP {status} for each of the first {self._refusals[status]} requests "
+                    f"and no other answer yet: {refusal} (the IDs were not given up on: a "
+                    f"rerun fetches them)")))
             return
         kind = attempt.kind
         fix = INCURABLE.get(kind) if kind is not None else None

@@ -585,6 +585,70 @@ def test_no_second_pass_exits_6_and_ids_from_stdin(tmp_path: Path, mock_process:
     assert r.returncode == 2 and "<stdin>:3: " in r.stderr, r.stderr
 
 
+def test_the_stdin_copy_of_a_killed_run_is_removed_by_the_next(tmp_path: Path,
+                                                               mock_process: Any) -> None:
+    """IDs from stdin are copied to a temporary file, which a run removes at its end; a run
+    killed with ``kill -9`` cannot: the next run given stdin removes that copy (nobody holds
+    its lock any more), and leaves the copy of a run that still lives."""
+    import fcntl
+
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.2")
+    spools = tmp_path / "tmp"
+    spools.mkdir()
+    env = {**ENV, "TMPDIR": str(spools)}
+    ids = write_ids(tmp_path / "ids.txt", [f"k{i}" for i in range(200)])
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, tmp_path / "unused.txt",
+                       limits={"concurrency": 4, "rate": 100})
+    with ids.open() as stdin:
+        victim = subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
+                                   "--ids", "-", "--no-progress"], stdin=stdin,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env={**os.environ, **env})
+    wait_until(lambda: bool(state.exists() and outcomes_of(state)), victim)
+    victim.kill()
+    victim.wait(timeout=30)
+    left = list(spools.glob("asyncrawl-ids-*"))
+    assert len(left) == 1  # what kill -9 leaves behind
+    old = time.time() - 120  # (a copy is taken for a leftover only once a minute old)
+    os.utime(left[0], (old, old))
+    alive = spools / "asyncrawl-ids-of-a-live-run"
+    alive.write_text("x\n")
+    os.utime(alive, (old, old))
+    held = os.open(alive, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # held, as a live run holds its copy
+        r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", env=env,
+                stdin=ids.read_text())
+        assert r.returncode == 0, r.stderr
+        assert [p.name for p in spools.iterdir()] == [alive.name]
+    finally:
+        os.close(held)
+
+
+def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:
+    """A config that names only the state will do for ``status`` and ``export`` (they send
+    nothing)."""
+    from asyncrawl.records import Record
+    from asyncrawl.store import open_store
+
+    async def make() -> None:
+        store = await open_store(tmp_path / "state")
+        store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None}),
+                      Record("ok", "a", status=200, data={"v": 1}, paid=1, tries=1)])
+        await store.close()
+
+    asyncio.run(make())
+    cfg = tmp_path / "only-state.toml"
+    cfg.write_text(f'[state]\ndir = "{tmp_path / "state"}"\n')
+    r = cli("status", "-c", str(cfg), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] == 1, r.stderr
+    r = cli("export", "-c", str(cfg), "--format", "ids")
+    assert (r.returncode, r.stdout) == (0, "a\n"), r.stderr
+    r = cli("run", "-c", str(cfg), "--ids", "-", stdin="a\n")
+    assert r.returncode == 2 and "request.url" in r.stderr  # a run does need it
+
+
 # -- 8. secrets --------------------------------------------------------------------------------
 
 

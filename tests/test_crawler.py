@@ -555,3 +555,37 @@ async def test_a_rerun_of_the_same_file_reads_on_from_its_frontier(
     assert not [m for m in caplog.messages if "reading it on from line" in m]
     assert third.ok == 3001 and third.skipped == 3000
     assert sorted(api.paid()) == sorted([*ids, "new-id"])
+
+
+async def test_an_api_that_forbids_every_request_halts_the_job_instead_of_losing_it(
+        state: Path) -> None:
+    """403 for each of the first 20 requests and nothing else: the API refuses the crawler
+    (a key without the permission, a wrong URL), not those IDs. The job halts like on a 401
+    (exit 3) instead of giving every ID up as unavailable; a rerun, once the API takes the
+    requests, fetches them all. A 403 after any other answer is about its own ID (a skip)."""
+    seen: list[str] = []
+    forbid = {"all"}
+
+    async def handle(request: web.Request) -> web.Response:
+        item = request.match_info["id"]
+        seen.append(item)
+        if "all" in forbid or item in forbid:
+            return web.Response(status=403, text="forbidden")
+        return web.json_response({"id": item})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", handle)
+    ids = [f"f{i:03d}" for i in range(300)]
+    async with TestServer(app) as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state),
+                     rate=2000.0, concurrency=4, cooldown=0.0, timeout=10.0)
+        async with Crawler(cfg) as c:
+            s = await c.run(ids)
+        assert s.halt is not None and s.halt.reason == "fatal" and s.exit_code == 3, s
+        assert "403 for each of the first 20 requests" in (s.halt.message or "")
+        assert s.unavailable == 0 and len(seen) <= 20 + 4  # (those in flight get their answer)
+        forbid.clear()
+        forbid.update(ids[100:130])  # the API takes the requests now; 30 IDs are forbidden
+        async with Crawler(cfg) as c:
+            s = await c.run(ids)
+        assert (s.ok, s.unavailable, s.exit_code) == (270, 30, 0), s

@@ -393,7 +393,8 @@ def test_export_to_a_missing_directory_is_a_clear_error(tmp_path: Path, mock_pro
     assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
     target = tmp_path / "no-such-dir" / "out.jsonl"
     r = cli("export", "-c", str(cfg), "-o", str(target), env=ENV)
-    assert r.returncode == 5 and str(target) in r.stderr and "Traceback" not in r.stderr
+    # the flag's fault (exit 2, usage), not the state's (exit 5)
+    assert r.returncode == 2 and str(target) in r.stderr and "Traceback" not in r.stderr
     good = tmp_path / "out.jsonl"
     good.write_text("old\n")
     r = cli("export", "-c", str(cfg), "-o", str(good), env=ENV)
