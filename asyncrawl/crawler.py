@@ -125,7 +125,8 @@ class Crawler:
             if self.total is None:
                 ids.lines = run.meter.total = await asyncio.to_thread(prescan_file, cfg.ids)
         source = ids if isinstance(ids, IdsFile) else id_chunks(ids)
-        store = await open_store(cfg.state, cfg.job, lease=cfg.lease)
+        store = await open_store(cfg.state, cfg.job, lease=cfg.lease,
+                                 cooldown=cfg.cooldown if cfg.second_pass else 0.0)
         try:
             check_job(cfg, await store.claim_identity(cfg.job_identity()))
             session, own = self._session, None

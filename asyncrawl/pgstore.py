@@ -144,8 +144,10 @@ CREATE OR REPLACE VIEW asyncrawl_results AS
 """
 
 # An outcome: ok is final (the first ok is the ID's result; later ones add only their bill);
-# it ends the ID's lease and its open "sent" intent.
-UPSERT_OUTCOME = """
+# it ends the ID's lease and its open "sent" intent. A failure in pass 1 leaves the ID to cool
+# down (``lease_until``, leased to nobody: no claim takes it before), so that pass 2 never
+# takes a failure before its cool-down, even one of a run that joined the job late.
+UPSERT_OUTCOME = f"""
 INSERT INTO asyncrawl_items AS i
     (job, id, state, status, error, pass, tries, paid, fetched_at, data, generation)
 SELECT %(job)s, v.*, %(gen)s FROM unnest(%(id)s::text[], %(state)s::text[], %(status)s::int[],
@@ -164,7 +166,10 @@ ON CONFLICT (job, id) DO UPDATE SET
     sent_run = CASE WHEN i.lease_owner IS DISTINCT FROM %(run)s AND i.lease_owner IS NOT NULL
                     THEN i.sent_run END,
     lease_owner = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_owner END,
-    lease_until = CASE WHEN i.lease_owner = %(run)s THEN NULL ELSE i.lease_until END,
+    lease_until = CASE WHEN i.lease_owner = %(run)s THEN
+        CASE WHEN excluded.state IN ('failed', 'perm') AND excluded.pass = 1
+                  AND i.state IS DISTINCT FROM 'ok' THEN {NOW} + %(cool)s END
+        ELSE i.lease_until END,
     doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
 """
 # An intent is fenced by the lease: it is written (and the request may leave) only while the
@@ -183,7 +188,8 @@ ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.send
     doubt = CASE WHEN i.sent_run <> excluded.sent_run AND i.doubt IS NULL THEN 0
                  ELSE i.doubt END
 WHERE i.lease_owner = %(run)s
-    OR (i.lease_owner IS NULL AND (i.state IS NULL OR i.state IN ('failed', 'perm')))
+    OR (i.lease_owner IS NULL AND (i.state IS NULL OR i.state IN ('failed', 'perm'))
+        AND (i.lease_until IS NULL OR i.lease_until < {NOW}))
 RETURNING i.id
 """
 
@@ -238,9 +244,11 @@ class PgStore:
 
     shared = True  # many processes work on the job: the run claims its IDs from the store
 
-    def __init__(self, url: str, job: str, conns: dict[str, Any], lease: float = LEASE) -> None:
+    def __init__(self, url: str, job: str, conns: dict[str, Any], lease: float = LEASE,
+                 cooldown: float = 0.0) -> None:
         self.url = url
         self.lease = lease
+        self.cooldown = cooldown  # seconds a failure of pass 1 waits before pass 2 may take it
         self.job_name = job
         self.location = f"{safe_url(url)} (job {job!r})"
         self._conns = conns  # "writer" (the writer's thread), "work" (claims), "control"
@@ -261,10 +269,12 @@ class PgStore:
     # -- opening -------------------------------------------------------------------------------
 
     @classmethod
-    async def open(cls, url: str, job: str, lease: float = LEASE) -> PgStore:
+    async def open(cls, url: str, job: str, lease: float = LEASE, cooldown: float = 0.0
+                   ) -> PgStore:
         """Connect for a run and create the tables if needed (the run is registered by its
-        ``run`` record). ``lease``: seconds a claim holds its IDs without a heartbeat."""
-        return await asyncio.to_thread(cls._open_sync, url, job, True, lease)
+        ``run`` record). ``lease``: seconds a claim holds its IDs without a heartbeat;
+        ``cooldown``: seconds before a failure of pass 1 may be claimed for pass 2."""
+        return await asyncio.to_thread(cls._open_sync, url, job, True, lease, cooldown)
 
     @classmethod
     def reader(cls, url: str, job: str) -> PgStore:
@@ -278,7 +288,8 @@ class PgStore:
         return store
 
     @classmethod
-    def _open_sync(cls, url: str, job: str, for_run: bool, lease: float = LEASE) -> PgStore:
+    def _open_sync(cls, url: str, job: str, for_run: bool, lease: float = LEASE,
+                   cooldown: float = 0.0) -> PgStore:
         psycopg = _psycopg()
         names = ("writer", "work", "control") if for_run else ("control", "work")
         conns: dict[str, Any] = {}
@@ -286,7 +297,7 @@ class PgStore:
             for name in names:
                 conns[name] = psycopg.connect(url, autocommit=True, connect_timeout=10,
                                               application_name=f"asyncrawl {name}")
-            store = cls(url, job, conns, lease)
+            store = cls(url, job, conns, lease, cooldown)
             if for_run:
                 store._ensure_schema()
             elif not store._schema_exists(columns=False):
@@ -402,6 +413,10 @@ class PgStore:
                        f"lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
                        f"lease_owner IS NOT NULL) AND {OPEN} AND (lease_until IS NULL OR "
                        f"lease_until < {NOW})", (self.job_name,))
+            # the cool-downs of the last generation's failures end: its pass 1 takes them now
+            db.execute("UPDATE asyncrawl_items SET lease_until = NULL WHERE job = %s AND "
+                       "lease_owner IS NULL AND lease_until IS NOT NULL AND state IN "
+                       "('failed', 'perm')", (self.job_name,))
             db.execute("UPDATE asyncrawl_runs SET ended = heartbeat, error = 'died' "
                        "WHERE job = %s AND ended IS NULL", (self.job_name,))
         if job is not None:
@@ -762,6 +777,7 @@ class PgStore:
         for group in _distinct(outcomes, lambda r: r.id):
             db.execute(UPSERT_OUTCOME, {
                 "job": self.job_name, "gen": self._gen, "run": self._run,
+                "cool": self.cooldown,
                 "id": [r.id for r in group], "state": [r.state for r in group],
                 "status": [r.status for r in group], "error": [r.error for r in group],
                 "pass": [r.pass_no for r in group], "tries": [r.tries for r in group],

@@ -87,11 +87,12 @@ class Store(Protocol):
 
 
 async def open_store(location: str | os.PathLike[str], job: str = "default", *,
-                     lease: float = 30.0) -> Store:
+                     lease: float = 30.0, cooldown: float = 0.0) -> Store:
     """The store at ``location`` (a state directory, or a PostgreSQL URL and the ``job``'s
-    name), opened for a run (a state directory: locked)."""
+    name), opened for a run (a state directory: locked). A shared job's ``lease`` and
+    ``cooldown`` (seconds before a failure of pass 1 may be taken by pass 2)."""
     if is_url(location):
-        return await PgStore.open(str(location), job, lease)
+        return await PgStore.open(str(location), job, lease, cooldown)
     return await SqliteStore.open(location)
 
 

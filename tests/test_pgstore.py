@@ -536,11 +536,11 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
     asyncio.run(go())
 
 
-async def _run_of(job: str, pid: int) -> Any:
+async def _run_of(job: str, pid: int, cooldown: float = 0.0) -> Any:
     from asyncrawl.pgstore import PgStore
     from asyncrawl.records import Record
 
-    store = await PgStore.open(PG, job)
+    store = await PgStore.open(PG, job, cooldown=cooldown)
     store.commit([Record("run", extra={"version": "t", "pid": pid, "job": None})])
     return store
 
@@ -617,6 +617,42 @@ def test_a_run_that_stalled_past_its_lease_is_refused_the_send(job: str) -> None
                    job) == [("x", 1, None), ("y", 1, None)]
     assert pg_rows("SELECT sum(sent)::int, sum(billable)::int FROM asyncrawl_ledger "
                    "WHERE job = %s", job) == [(2, 2)]
+
+
+def test_pass_2_takes_a_failure_only_after_its_cool_down(job: str) -> None:
+    """A run in pass 2 (its own pass 1 over) meets the pass-1 failures of a run that joined the
+    job late: it takes each of them only once the failure has cooled down, as its own; a new
+    generation of the job (a rerun) takes earlier failures in its pass 1 at once."""
+    import psycopg
+
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        a, b = await _run_of(job, 1, cooldown=60), await _run_of(job, 2, cooldown=60)
+        await b.merge(["x", "y"])
+        assert sorted(r[0] for r in await b.claim(1, 10)) == ["x", "y"]
+        b.commit([Record.sent("x"), Record.sent("y")])
+        b.commit([Record("failed", "x", status=500, error="HTTP 500", pass_no=1, tries=3),
+                  Record("ok", "y", status=200, data={"v": 1}, paid=1, pass_no=1, tries=1)])
+        assert await a.claim(2, 10) == []  # cooling down (60 s)
+        assert await a.pass_left(2)  # but there: pass 2 waits for it
+        with psycopg.connect(PG, autocommit=True) as db:  # what a minute does
+            db.execute("UPDATE asyncrawl_items SET lease_until = lease_until - 61 "
+                       "WHERE job = %s AND id = 'x'", (job,))
+        assert [r[0] for r in await a.claim(2, 10)] == ["x"]
+        a.commit([Record.sent("x"), Record("failed", "x", status=500, error="HTTP 500",
+                                           pass_no=1, tries=3)])  # (as if in pass 1 again)
+        for s in (a, b):
+            s.commit([Record("end", extra={})])
+            await s.close()
+        c = await _run_of(job, 3, cooldown=60)  # no run at work: a new generation
+        try:
+            assert [r[0] for r in await c.claim(1, 10)] == ["x"]  # at once
+        finally:
+            c.commit([Record("end", extra={})])
+            await c.close()
+
+    asyncio.run(go())
 
 
 def test_a_claim_under_way_when_its_run_ends_leaves_no_lease_behind(job: str) -> None:
