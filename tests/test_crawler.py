@@ -589,3 +589,22 @@ async def test_an_api_that_forbids_every_request_halts_the_job_instead_of_losing
         async with Crawler(cfg) as c:
             s = await c.run(ids)
         assert (s.ok, s.unavailable, s.exit_code) == (270, 30, 0), s
+
+
+async def test_the_budget_halts_a_run_with_ids_parked_for_a_retry(state: Path) -> None:
+    """``max_requests`` is reached while IDs wait for their retry (a flaky server, 2-s
+    backoff): the run stops then (exit 4), the parked IDs do not hold it, and a rerun with
+    budget to spare fetches them and the rest."""
+    from asyncrawl.testing import flaky_faults
+
+    async with MockAPI(api_key=KEY, faults=flaky_faults) as api:
+        cfg = fast_config(api, state, max_requests=60, concurrency=4, backoff_base=2.0,
+                          backoff_max=2.0, max_tries=5)
+        ids = [f"p{i}" for i in range(200)]
+        async with Crawler(cfg) as c:
+            s = await asyncio.wait_for(c.run(ids), 30)
+        assert (s.exit_code, s.billable) == (4, 60), s
+        assert s.pending + s.failed > 0 and s.ok < 200  # some were parked, and are kept
+        async with Crawler(fast_config(api, state, concurrency=16)) as c:
+            s = await asyncio.wait_for(c.run(ids), 120)
+        assert s.ok + s.unavailable == 200 and s.halt is None, s

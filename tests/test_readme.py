@@ -161,8 +161,10 @@ def check_sample(b: Block, last_output: str, work: Path) -> None:
 
 def walkthrough_ids() -> list[str]:
     """IDs for the walk-through: mostly fine, some slow, some 404/400 (unavailable after two
-    passes). No retryable faults: their backoff would only slow the test down, and an ID parked
-    for a retry when ``--max-requests`` halts the run can hang it (a race in ``Parking.run``)."""
+    passes). No retryable faults: their backoff (seconds) would only slow the test down (the
+    walk-through with flaky, dropped, gone and unparsable IDs among these ran 7 times in ~50 s
+    each, without a hang); a budget that halts the run while IDs are parked for a retry is
+    ``test_crawler.py::test_the_budget_halts_a_run_with_ids_parked_for_a_retry``."""
     want = {"ok": 280, "not_found": 6, "bad_request": 2, "slow": 3}
     out: list[str] = []
     i = 0
