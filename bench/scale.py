@@ -18,6 +18,7 @@ For each size N it
 Peak RSS is the child's own (``wait4``). Usage::
 
     .venv/bin/python bench/scale.py [--sizes 100000,1000000,10000000] [--payload-bytes 1000]
+        [--payload-spread 0]
         [--workdir DIR] [--keep]
 
 The states are large (about N x (payload + 100 B), twice): the work directory must have room
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,15 +76,20 @@ def ids_of(n: int) -> list[str]:
     return [f"id{i:08d}" for i in range(n)]
 
 
-def payload(item: str, size: int) -> bytes:
+def payload(item: str, size: int, spread: int = 0) -> bytes:
+    """About ``size`` bytes of JSON for ``item``; ``spread``: its size drawn (by the ID's
+    crc32) from ``size`` ± ``spread`` bytes, as real answers vary."""
+    if spread:
+        size += zlib.crc32(item.encode()) % (2 * spread + 1) - spread
     return orjson.dumps({"id": item, "title": f"Item {item}", "body": "x" * max(0, size - 60)})
 
 
-async def build(state: Path, n: int, size: int, settled: int,
-                ids_file: Path) -> tuple[float, int]:
+async def build(state: Path, n: int, size: int, settled: int, ids_file: Path,
+                spread: int = 0) -> tuple[float, int, int]:
     """The state of a job over ``ids_file`` whose first ``settled`` IDs are ok and the next 64
     in flight (sent, no result) when it crashed, as its crawl would have left it (the file's
-    identity, and its frontier after the settled IDs); returns (durable records/s, records)."""
+    identity, and its frontier after the settled IDs); returns (durable records/s, records,
+    payload bytes)."""
     store = await open_store(state)
     records = 0
     t0 = time.perf_counter()
@@ -90,7 +97,10 @@ async def build(state: Path, n: int, size: int, settled: int,
     source = file_identity(str(ids_file)) | {"lines": n}
     line_bytes = len("id00000000\n")
 
+    payload_bytes = 0
+
     def write() -> int:
+        nonlocal payload_bytes
         count = 0
         store.commit([Record("run", extra={"version": "bench", "pid": 0, "job": job,
                                            "source": source})])
@@ -99,8 +109,9 @@ async def build(state: Path, n: int, size: int, settled: int,
             item = f"id{i:08d}"
             batch.append(Record.sent(item))
             if i < settled:
-                batch.append(Record.outcome("ok", item, 200, None, False, None, 1, 1, 1,
-                                            payload(item, size)))
+                body = payload(item, size, spread)
+                payload_bytes += len(body)
+                batch.append(Record.outcome("ok", item, 200, None, False, None, 1, 1, 1, body))
             if len(batch) >= BATCH:
                 store.commit(batch)
                 count += len(batch)
@@ -112,7 +123,7 @@ async def build(state: Path, n: int, size: int, settled: int,
     records = await asyncio.to_thread(write)
     took = time.perf_counter() - t0
     await store.close()  # crashed: no "end" record
-    return records / took, records
+    return records / took, records, payload_bytes
 
 
 def run_child(args: list[str], *, until_first_request: Path | None = None,
@@ -142,16 +153,17 @@ def run_child(args: list[str], *, until_first_request: Path | None = None,
     return wall, rss_kb / 1024, first
 
 
-def measure(n: int, size: int, work: Path, *, resume_only: bool = False) -> Row:
+def measure(n: int, size: int, work: Path, *, resume_only: bool = False, spread: int = 0
+            ) -> Row:
     row = Row(n)
     ids = ids_of(n)
     ids_file = work / f"ids-{n}.txt"
     ids_file.write_text("".join(f"{i}\n" for i in ids))
     half = work / f"half-{n}"
-    rate, records = asyncio.run(build(half, n, size, n // 2, ids_file))
+    rate, records, payload_bytes = asyncio.run(build(half, n, size, n // 2, ids_file, spread))
     row.write_rate = rate
     row.db_bytes = sum(p.stat().st_size for p in half.glob(DB + "*"))
-    row.per_id_overhead = (row.db_bytes - (n // 2) * len(payload("id00000000", size))) / (n // 2)
+    row.per_id_overhead = (row.db_bytes - payload_bytes) / (n // 2)
     print(f"  {n:,} IDs: built {records:,} records at {rate:,.0f} durable records/s; "
           f"{row.db_bytes / 1e6:,.0f} MB ({row.per_id_overhead:,.0f} B/ID beyond the payload)",
           flush=True)
@@ -173,7 +185,7 @@ def measure(n: int, size: int, work: Path, *, resume_only: bool = False) -> Row:
         shutil.rmtree(half, ignore_errors=True)
         return row
     full = work / f"full-{n}"
-    asyncio.run(build(full, n, size, n, ids_file))
+    asyncio.run(build(full, n, size, n, ids_file, spread))
     cfg_full = work / f"full-{n}.toml"
     cfg_full.write_text(f'[request]\nurl = "http://127.0.0.1:1/items/{{id}}"\n[source]\n'
                         f'ids = "{ids_file}"\n[state]\ndir = "{full}"\nreuse = true\n')
@@ -213,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="100000,1000000,10000000")
     p.add_argument("--payload-bytes", type=int, default=1000)
+    p.add_argument("--payload-spread", type=int, default=0,
+                   help="payload sizes drawn from --payload-bytes +/- this many bytes")
     p.add_argument("--workdir", help="where the states go (default: a temp dir)")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--resume-only", action="store_true", help="build and resume only")
@@ -223,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in sizes:
-            print(f"{n:,} IDs, payload {args.payload_bytes} B (work dir {work})", flush=True)
-            rows.append(measure(n, args.payload_bytes, work, resume_only=args.resume_only))
+            print(f"{n:,} IDs, payload {args.payload_bytes} B ± {args.payload_spread} "
+                  f"(work dir {work})", flush=True)
+            rows.append(measure(n, args.payload_bytes, work, resume_only=args.resume_only,
+                                spread=args.payload_spread))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
