@@ -17,13 +17,14 @@ import logging
 import logging.handlers
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from ._version import __version__
 from .config import UNUSED_URL, Config, expand_env
@@ -32,7 +33,15 @@ from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import SETTLED
 from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
-from .source import CHUNK_IDS, IdsFile, SeenIds, file_identity, file_ids, prescan_file
+from .source import (
+    CHUNK_IDS,
+    IdsFile,
+    SeenIds,
+    file_identity,
+    file_ids,
+    is_stream,
+    prescan_file,
+)
 from .sqlstore import DB
 from .store import read_store
 from .types import Progress, Result, Summary
@@ -410,19 +419,22 @@ def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: 
                     extra={"event": "halt", "fields": summary.halt.as_dict()})
 
 
-SPOOL = "asyncrawl-ids-"  # stdin's IDs are copied to a file of that name in the temp directory
-STALE_SPOOL = 60.0  # seconds: a spool at least this old that nobody holds was a killed run's
+SPOOL = "asyncrawl-ids-"  # IDs read once (stdin, a pipe) are copied to a file of that name
+STALE_SPOOL = 60.0  # seconds: a copy at least this old that nobody holds was a killed run's
 
 
-def _spool_stdin() -> tuple[str, int]:
-    """Copy stdin's IDs to a temporary file (a run reads its IDs file more than once): its path
-    and an open descriptor, flock()ed while the run lives. The run removes it at its end; one
-    that was killed (``kill -9``) could not: the next run given stdin removes such leftovers."""
+def _spool(source: BinaryIO) -> tuple[str, int]:
+    """Copy IDs that can be read only once (stdin, a pipe) to a temporary file (a run reads its
+    IDs file more than once): its path and an open descriptor, flock()ed while the run lives.
+    The run removes it at its end; one that was killed (``kill -9``) could not: the next run
+    that copies IDs removes such leftovers."""
     for old in Path(tempfile.gettempdir()).glob(f"{SPOOL}*"):
         with contextlib.suppress(OSError):
-            if time.time() - old.stat().st_mtime < STALE_SPOOL:
-                continue  # (one just made, perhaps not locked yet)
-            held = os.open(old, os.O_RDONLY)
+            st = os.lstat(old)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() \
+                    or time.time() - st.st_mtime < STALE_SPOOL:
+                continue  # not one of ours, or one just made (perhaps not locked yet)
+            held = os.open(old, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             try:
                 fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: its run is gone
                 old.unlink()
@@ -431,7 +443,7 @@ def _spool_stdin() -> tuple[str, int]:
     fd, path = tempfile.mkstemp(prefix=SPOOL)
     fcntl.flock(fd, fcntl.LOCK_EX)
     with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
-        while chunk := sys.stdin.buffer.read(1 << 20):
+        while chunk := source.read(1 << 20):
             f.write(chunk)
     return path, fd
 
@@ -442,11 +454,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if not config.ids and config.state_url is None:
             raise ConfigError("no IDs: pass --ids PATH (or - for stdin) or set [source] ids")
-        spooled, spool_fd = None, -1
+        spooled, spool_fd, shown = None, -1, ""  # shown: the IDs' name in messages
         ids_path = config.ids  # None: join a shared job and work on the IDs it has
         if ids_path == "-":
-            ids_path, spool_fd = _spool_stdin()
-            spooled = ids_path
+            ids_path, spool_fd = _spool(sys.stdin.buffer)
+            spooled, shown = ids_path, "<stdin>"
+        elif ids_path and is_stream(ids_path):  # --ids <(command), a FIFO: read once
+            with open(ids_path, "rb") as pipe:
+                spooled, spool_fd = _spool(pipe)
+            ids_path, shown = spooled, ids_path
         try:
             # an IDs file the state has read before, unchanged, is not checked and counted again
             total = None if spooled or not ids_path else _known_lines(config, ids_path)
@@ -456,7 +472,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 except InputError as e:
                     if not spooled:
                         raise
-                    raise InputError(e.message, path="<stdin>", line=e.line) from None
+                    raise InputError(e.message, path=shown, line=e.line) from None
             if config.state_url is not None:
                 total = None  # a shared job's size is the job's, not this file's
             if spooled:

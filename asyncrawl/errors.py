@@ -17,6 +17,7 @@ exactly one place, ``fetch.Fetcher._attempt``, so callers never see a backend's 
 
 from __future__ import annotations
 
+import errno
 import importlib
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,11 @@ class JobMismatch(AsyncrawlError):
     """The state directory was made by a job with another URL template, method or parameters."""
 
     exit_code = 2
+
+
+# errno values that say a path given for a file to write is wrong (not that the disk failed)
+BAD_PLACE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                       errno.EISDIR, errno.ENAMETOOLONG})
 
 
 class StorageError(AsyncrawlError):

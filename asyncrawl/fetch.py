@@ -285,7 +285,7 @@ class Fetcher:
         *,
         request_for: Callable[[str], Request] | None = None,
         classify: Classifier | None = None,
-        observe: Callable[[str, Attempt], None] | None = None,
+        observe: Callable[[str, Attempt, bool], None] | None = None,
     ) -> None:
         self.session = session
         self.observe = observe
@@ -305,13 +305,15 @@ class Fetcher:
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
-    async def attempt(self, item_id: str, lane: int = 0) -> Attempt:
+    async def attempt(self, item_id: str, lane: int = 0, *, first: bool = True) -> Attempt:
         """One try for ``item_id``, with the API key of ``lane`` (``[request] keys``). Never
         raises for network or HTTP problems. Every attempt, whatever it led to, is shown to
-        ``observe`` (the operator's error counts)."""
+        ``observe`` (the operator's error counts, the run's early stops), with ``first``: the
+        ID's first try, with no failure of it behind it (what it meets says something of the
+        API, not only of that ID)."""
         result = await self._attempt(item_id, lane)
         if self.observe is not None:
-            self.observe(item_id, result)
+            self.observe(item_id, result, first)
         return result
 
     async def _attempt(self, item_id: str, lane: int) -> Attempt:

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from .errors import ConfigError, StorageError, require_extra
+from .errors import BAD_PLACE, ConfigError, StorageError, require_extra
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
@@ -95,7 +95,9 @@ def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
-    except OSError as e:  # (no such directory, no permission: the flag's fault, exit 2)
+    except OSError as e:  # no such directory, no permission: the flag's fault (exit 2)
+        if e.errno not in BAD_PLACE:
+            raise StorageError(f"cannot write the export: {e.strerror}", path=path) from None
         raise ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
                           path=path) from None
     n = 0

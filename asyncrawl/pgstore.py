@@ -173,8 +173,8 @@ ON CONFLICT (job, id) DO UPDATE SET
     doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
 """
 # An intent is fenced by the lease: it is written (and the request may leave) only while the
-# ID is this run's (leased to it, or open and leased to nobody: then the intent takes the
-# lease). A run that stalled past its lease while another claimed the ID is refused: the ID is
+# ID is open (no ok, not unavailable) and this run's (leased to it, or leased to nobody and not
+# cooling down: then the intent takes the lease). A run that stalled past its lease while another claimed the ID is refused: the ID is
 # the other's to send (``RETURNING`` names those written; the rest were refused). The intent
 # extends the lease, so that no claim takes the ID while its request is out. An intent over
 # another run's open intent (kept as a safeguard) puts the ID in doubt.
@@ -187,9 +187,9 @@ ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.send
     lease_until = greatest(i.lease_until, excluded.lease_until),
     doubt = CASE WHEN i.sent_run <> excluded.sent_run AND i.doubt IS NULL THEN 0
                  ELSE i.doubt END
-WHERE i.lease_owner = %(run)s
-    OR (i.lease_owner IS NULL AND (i.state IS NULL OR i.state IN ('failed', 'perm'))
-        AND (i.lease_until IS NULL OR i.lease_until < {NOW}))
+WHERE (i.state IS NULL OR i.state IN ('failed', 'perm'))
+    AND (i.lease_owner = %(run)s
+         OR (i.lease_owner IS NULL AND (i.lease_until IS NULL OR i.lease_until < {NOW})))
 RETURNING i.id
 """
 

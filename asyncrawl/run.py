@@ -470,13 +470,15 @@ class Run:
 
     # -- what comes back -----------------------------------------------------------------------
 
-    def _observe(self, item: str, attempt: Attempt) -> None:
+    def _observe(self, item: str, attempt: Attempt, first: bool) -> None:
         """Every attempt: the hook, and an early stop when the job cannot work at all (a
         refused connection, a name that does not resolve, a certificate that does not verify,
         from the very first requests on: exit 2), or when the API refuses it (a 403 or 405 for
         each of the first ``REFUSED_AFTER`` requests: a halt like a 401's, exit 3, instead of
-        every ID given up on as unavailable). Once anything else answered, the same errors are
-        an outage, for the breaker, and the same answers are about their IDs."""
+        every ID given up on as unavailable; only IDs' ``first`` tries count: a retry of an ID
+        that failed before, in this run or an earlier one, is about that ID). Once anything
+        else answered, the same errors are an outage, for the breaker, and the same answers
+        are about their IDs."""
         if self.hooks.on_attempt is not None:
             self.hooks.on_attempt(item, attempt.status, attempt.error)
         if self._answered:
@@ -486,6 +488,8 @@ class Run:
             refusal = REFUSING.get(status) if attempt.outcome is Outcome.SKIP else None
             if refusal is None:
                 self._answered = True
+                return
+            if not first:
                 return
             self._refusals[status] += 1
             if self._refusals[status] >= REFUSED_AFTER and not self.stop.is_set():

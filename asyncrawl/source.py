@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import tempfile
 import unicodedata
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
@@ -88,11 +89,25 @@ def prescan_file(path: str) -> int:
     """Validate every line of an IDs file; return the number of non-blank lines."""
     if os.path.isdir(path):
         raise InputError("is a directory, not an IDs file", path=path)
+    if is_stream(path):
+        raise InputError("is a pipe, not a file: the IDs file is read more than once (the "
+                         "command line copies a pipe's IDs first: --ids PATH or --ids -)",
+                         path=path)
     n = 0
     for i, raw in enumerate(_raw_lines(path), 1):
         if parse_line(raw, path=path, line=i) is not None:
             n += 1
     return n
+
+
+def is_stream(path: str) -> bool:
+    """Whether ``path`` is a pipe or another file that can be read only once (``--ids
+    <(command)``, a FIFO), rather than a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False  # (a missing file is reported where it is opened)
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
 
 
 def file_identity(path: str) -> dict[str, Any]:

@@ -319,8 +319,7 @@ class Worker:
             # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
             # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
             gov.on_response(ticket, item.id, limited=limited, failed=down,
-                            retry_after=retry_after, evidence=item.tries == 0
-                            and self.pass_no == 1 and not item.suspect)
+                            retry_after=retry_after, evidence=self._first(item))
             # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
             outage = down and gov.breaker_open and not ticket.probe
             verdict = decide(item, attempt, self.config, self.pass_no, outage=outage)
@@ -358,6 +357,11 @@ class Worker:
             self.on_retire(lane, attempt, left)
         return left > 0
 
+    def _first(self, item: Item) -> bool:
+        """Whether ``item`` is on its first try in pass 1 with no failure behind it (from an
+        earlier run): only such tries tell something of the API rather than of the ID."""
+        return item.tries == 0 and self.pass_no == 1 and not item.suspect
+
     async def _send(self, item: Item, lane: int = 0) -> Attempt:
         self.in_flight += 1
         if not item.sent and not item.suspect:
@@ -366,7 +370,8 @@ class Worker:
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1
-        attempt = await self.fetcher.attempt(item.id, lane)  # never raises but CancelledError
+        # (never raises but CancelledError)
+        attempt = await self.fetcher.attempt(item.id, lane, first=self._first(item))
         self.flying.discard(item.id)
         self.in_flight -= 1
         if self.in_flight == 0:

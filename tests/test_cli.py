@@ -615,15 +615,41 @@ def test_the_stdin_copy_of_a_killed_run_is_removed_by_the_next(tmp_path: Path,
     alive = spools / "asyncrawl-ids-of-a-live-run"
     alive.write_text("x\n")
     os.utime(alive, (old, old))
+    fifo = spools / "asyncrawl-ids-not-a-file"  # (someone else's: opening it would hang)
+    os.mkfifo(fifo)
+    os.utime(fifo, (old, old))
     held = os.open(alive, os.O_RDONLY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)  # held, as a live run holds its copy
         r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", env=env,
                 stdin=ids.read_text())
         assert r.returncode == 0, r.stderr
-        assert [p.name for p in spools.iterdir()] == [alive.name]
+        assert sorted(p.name for p in spools.iterdir()) == sorted([alive.name, fifo.name])
     finally:
         os.close(held)
+
+
+def test_ids_from_a_pipe_path_are_read_once_and_fetched(tmp_path: Path,
+                                                        mock_process: Any) -> None:
+    """``--ids <(command)`` or a FIFO: the IDs can be read only once, so they are copied first
+    (the IDs file is read more than once: counted, then fetched). They used to be counted,
+    and then none was left to fetch: exit 0 having fetched nothing."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    fifo = tmp_path / "ids.fifo"
+    os.mkfifo(fifo)
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", fifo)
+
+    def feed() -> None:
+        with fifo.open("w") as f:  # (blocks until the run opens it)
+            f.write("".join(f"q{i}\n" for i in range(40)) + "q1\n")
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    r = cli("run", "-c", str(cfg), "--no-progress", env={**ENV, "TMPDIR": str(tmp_path)})
+    writer.join(timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert sorted(export(cfg, "--format", "ids").splitlines()) == sorted(f"q{i}" for i in range(40))
+    assert not list(tmp_path.glob("asyncrawl-ids-*"))  # the copy is gone with the run
 
 
 def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:

@@ -608,3 +608,25 @@ async def test_the_budget_halts_a_run_with_ids_parked_for_a_retry(state: Path) -
         async with Crawler(fast_config(api, state, concurrency=16)) as c:
             s = await asyncio.wait_for(c.run(ids), 120)
         assert s.ok + s.unavailable == 200 and s.halt is None, s
+
+
+async def test_a_rerun_of_ids_that_were_forbidden_before_does_not_halt(state: Path) -> None:
+    """IDs that failed with 403 in an earlier run (each forbidden by itself: private items) are
+    all a rerun sends: their 403s are about those IDs, not the API refusing the crawler, so
+    the rerun does not halt (it used to, every time: exit 3 and an alert blaming the key)."""
+    async def handle(request: web.Request) -> web.Response:
+        item = request.match_info["id"]
+        if item.startswith("private"):
+            return web.Response(status=403, text="forbidden")
+        return web.json_response({"id": item})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", handle)
+    ids = [f"item{i}" for i in range(50)] + [f"private{i}" for i in range(30)]
+    async with TestServer(app) as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state),
+                     rate=2000.0, concurrency=4, second_pass=False, timeout=10.0)
+        for _ in range(2):  # the rerun sends only the 30 forbidden IDs
+            async with Crawler(cfg) as c:
+                s = await c.run(ids)
+            assert (s.halt, s.ok, s.failed, s.exit_code) == (None, 50, 30, 6), s

@@ -608,15 +608,26 @@ def test_a_run_that_stalled_past_its_lease_is_refused_the_send(job: str) -> None
         assert a.commit([Record.sent("x"), Record.sent("y")]) == {"x"}  # a wakes up: "y" only
         b.commit([Record("ok", "x", status=200, data={"v": 1}, paid=1)])
         a.commit([Record("ok", "y", status=200, data={"v": 2}, paid=1)])
+        # the other way round: b's request for "z" is out when b stalls, a takes "z" over,
+        # b's answer comes in: "z" is ok, and a, its lease holder now, must not send it again
+        await a.merge(["z"])
+        assert [r[0] for r in await b.claim(1, 10)] == ["z"]
+        assert b.commit([Record.sent("z")]) == frozenset()
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s AND id = 'z'",
+                       (job,))
+        assert [r[0] for r in await a.claim(1, 10)] == ["z"]
+        b.commit([Record("ok", "z", status=200, data={"v": 3}, paid=1)])
+        assert a.commit([Record.sent("z")]) == {"z"}
         for s in (a, b):
             s.commit([Record("end", extra={})])
             await s.close()
 
     asyncio.run(go())
     assert pg_rows("SELECT id, sends, doubt FROM asyncrawl_items WHERE job = %s ORDER BY id",
-                   job) == [("x", 1, None), ("y", 1, None)]
+                   job) == [("x", 1, None), ("y", 1, None), ("z", 1, 1)]
     assert pg_rows("SELECT sum(sent)::int, sum(billable)::int FROM asyncrawl_ledger "
-                   "WHERE job = %s", job) == [(2, 2)]
+                   "WHERE job = %s", job) == [(3, 3)]
 
 
 def test_pass_2_takes_a_failure_only_after_its_cool_down(job: str) -> None:
