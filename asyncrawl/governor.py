@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 from aiolimiter import AsyncLimiter
 
+SHARE_OF = 200  # answers, at least, over which a share of 429s is judged (RateController)
+
 
 class RateController:
     """The effective request rate: multiplicative decrease, additive increase, with memory.
@@ -57,7 +59,12 @@ class RateController:
       most ``min(2 × background, 1%) + 0.5%`` among the answers of any second of it changes
       nothing. A quota overrun shows as a share well
       above what the job sees at other times. The same test decides whether a ``Retry-After``
-      pauses the whole job (``limiting``) or only the item it came with.
+      pauses the whole job (``limiting``) or only the item it came with. A share is taken over
+      the last second or the last ``SHARE_OF`` answers, whichever holds more (at the start,
+      over ``SHARE_OF`` answers as if those not yet in were accepted): a second at a low rate,
+      or the first second of a job, holds too few answers to tell (one 429 among 50 is 2 %),
+      and lone 429s cut the rate a little more each time (a 0.2 % mix took a 150 req/s job to
+      18 req/s). A quota overrun brings many 429s at once, and shows all the same.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
       the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
@@ -65,7 +72,8 @@ class RateController:
     Never above ``max_rate``; never below ``min_rate``.
     """
 
-    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_share", "_last_cut",
+    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_share", "_last", "_last_counts",
+                 "_last_cut",
                  "_last_raise", "_limited", "_limited_recent", "_pause_end", "_paused", "_recent",
                  "_recent_at_episode",
                  "_sent", "_since", "_steady", "background", "ceiling", "cuts", "max_rate",
@@ -89,6 +97,9 @@ class RateController:
         self._recent_at_episode = 0
         self._limited_recent: deque[float] = deque()  # rate-limit answers of the last second
         self._asked: deque[float] = deque()  # answers of the last second that asked us to wait
+        # the last SHARE_OF answers: (limited, asked), and how many of each among them
+        self._last: deque[tuple[bool, bool]] = deque()
+        self._last_counts = [0, 0]
         self.background = 0.0  # long-run share of 429s among answers
         self._episode_share = 0.0  # the highest share of 429s in a second, since the last judgement
 
@@ -119,6 +130,14 @@ class RateController:
         """Record an answer; ``limited``: the server said "too many requests"; ``asked``: the
         answer carried a ``Retry-After``."""
         self.background += (limited - self.background) / 2000.0
+        last, counts = self._last, self._last_counts
+        if len(last) >= SHARE_OF:
+            was_limited, was_asked = last.popleft()
+            counts[0] -= was_limited
+            counts[1] -= was_asked
+        last.append((limited, asked))
+        counts[0] += limited
+        counts[1] += asked
         if asked:
             self._asked.append(now)
         if limited:
@@ -150,7 +169,10 @@ class RateController:
         docstring): then a ``Retry-After`` pauses every request, not only its own item."""
         self._trim(now)
         answers = len(self._recent) + len(self._limited_recent)
-        return bool(self._asked) and len(self._asked) > self._noise() * answers
+        asked = len(self._asked)
+        if answers < SHARE_OF:  # too few this second: the last SHARE_OF answers
+            answers, asked = SHARE_OF, self._last_counts[1]
+        return bool(self._asked) and asked > self._noise() * answers
 
     def _trim(self, now: float) -> None:
         """Keep only the last second in the per-second windows."""
@@ -160,10 +182,14 @@ class RateController:
                 q.popleft()
 
     def _recent_share(self, now: float) -> float:
-        """The share of 429s among the answers of the last second."""
+        """The share of 429s among the answers of the last second (or of the last
+        ``SHARE_OF`` answers, if those are more)."""
         self._trim(now)
         limited = len(self._limited_recent)
-        return limited / (len(self._recent) + limited) if limited else 0.0
+        answers = len(self._recent) + limited
+        if answers < SHARE_OF:  # (at the start, fewer: as many as SHARE_OF with no 429 more)
+            answers, limited = SHARE_OF, self._last_counts[0]
+        return limited / answers if limited else 0.0
 
     def _noise(self) -> float:
         """The share of 429s that is background, not a quota: twice the long-run share, but
@@ -383,7 +409,7 @@ class Lane:
                  now: float) -> None:
         self.index = index
         self.rate = rate
-        self.limiter = AsyncLimiter(burst, burst / rate)
+        self.limiter = _bucket(burst, rate)
         self.controller = RateController(max_rate=rate, now=now) if adaptive else None
         self.paused_until = 0.0
         self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``
@@ -398,9 +424,11 @@ class Lane:
     def effective_rate(self) -> float:
         return self.controller.rate if self.controller else self.rate
 
-    def resize(self, rate: float, burst: int) -> None:
+    def resize(self, rate: float, burst: int, spent: float) -> None:
+        """A new share of the job's rate and burst; ``spent``: how much of the new bucket is
+        used up already (what the old one was: a re-share is no new burst)."""
         self.rate = rate
-        self.limiter = AsyncLimiter(burst, burst / rate)
+        self.limiter = _bucket(burst, rate, spent)
         c = self.controller
         if c is not None:  # unless it had slowed down to a quota, it goes with the share
             c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
@@ -435,13 +463,14 @@ class Governor:
         self._single = keys == 1
         # several keys: the job's bucket too, the ceiling of all of them together (each
         # lane's share of the burst is at least 1, which could add up to more than it)
-        self.limiter = None if self._single else AsyncLimiter(burst, burst / rate)
+        self.limiter = None if self._single else _bucket(burst, rate)
         self.breaker = breaker
         # Are there IDs not yet sent (the breaker's to protect)? Set by each pass; while it says
         # no, an open breaker stands down: the IDs left are retries with their own backoff.
         self.unsent: Callable[[], bool] = lambda: True
         self.paused_until = 0.0  # the whole job's pause
         self.runs = 1  # processes sharing the job's rate (``share``)
+        self._sent = False  # has a request been let through yet?
 
     def __repr__(self) -> str:
         return (f"<Governor rate={self.effective_rate:.1f}/{self.rate:g}/s burst={self.burst} "
@@ -476,14 +505,17 @@ class Governor:
 
     def share(self, runs: int) -> None:
         """Take ``1 / runs`` of the job's rate and burst: ``runs`` processes work on one job
-        and together keep to its limit."""
+        and together keep to its limit. The new buckets are as used up as the old ones, and
+        wholly so in a process that has sent nothing yet (joining a job at work: the others
+        may have spent the job's burst), so that a re-share never adds a burst to the job's."""
         self.runs = runs
         n = len(self.lanes)
         burst = max(1, round(self.burst / runs))
         for lane, b in zip(self.lanes, _split(burst, n), strict=True):
-            lane.resize(self.rate / runs / n, b)
+            lane.resize(self.rate / runs / n, b, _spent(lane.limiter) if self._sent else 1.0)
         if self.limiter is not None:
-            self.limiter = AsyncLimiter(burst, burst / (self.rate / runs))
+            self.limiter = _bucket(burst, self.rate / runs,
+                                   _spent(self.limiter) if self._sent else 1.0)
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""
@@ -580,6 +612,7 @@ class Governor:
                 probe = gate == 0
             if c is not None:
                 c.on_send(now)
+            self._sent = True
             return Ticket(now, probe, lane.index)
 
     def unused(self, ticket: Ticket) -> None:
@@ -612,6 +645,23 @@ class Governor:
         if self.breaker is not None and (evidence or ticket.probe):
             self.breaker.on_response(now, item_id, failed or (limited and ticket.probe),
                                      ticket.probe, ticket.sent_at)
+
+
+def _bucket(capacity: int, rate: float, spent: float = 0.0) -> AsyncLimiter:
+    """aiolimiter's token bucket: ``capacity`` requests at most at once, refilled at ``rate``
+    a second, ``spent`` (0 to 1) of it used up already. (aiolimiter starts a bucket full and
+    has no public way to start it otherwise: its ``_level``, which ``_leak`` keeps current.)"""
+    bucket = AsyncLimiter(capacity, capacity / rate)
+    if spent > 0:
+        bucket._level = min(spent, 1.0) * capacity
+        bucket._last_check = asyncio.get_running_loop().time()
+    return bucket
+
+
+def _spent(bucket: AsyncLimiter) -> float:
+    """How much of ``bucket`` is used up now (0 to 1)."""
+    bucket.has_capacity(0)  # (brings its level up to now)
+    return bucket._level / bucket.max_rate
 
 
 def _split(total: int, parts: int) -> list[int]:

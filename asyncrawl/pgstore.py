@@ -174,10 +174,11 @@ ON CONFLICT (job, id) DO UPDATE SET
 """
 # An intent is fenced by the lease: it is written (and the request may leave) only while the
 # ID is open (no ok, not unavailable) and this run's (leased to it, or leased to nobody and not
-# cooling down: then the intent takes the lease). A run that stalled past its lease while another claimed the ID is refused: the ID is
-# the other's to send (``RETURNING`` names those written; the rest were refused). The intent
-# extends the lease, so that no claim takes the ID while its request is out. An intent over
-# another run's open intent (kept as a safeguard) puts the ID in doubt.
+# cooling down: then the intent takes the lease). A run that stalled past its lease while
+# another claimed the ID is refused: the ID is the other's to send (``RETURNING`` names those
+# written; the rest were refused). The intent extends the lease, so that no claim takes the ID
+# while its request is out. An intent over another run's open intent (kept as a safeguard)
+# puts the ID in doubt.
 UPSERT_SENT = f"""
 INSERT INTO asyncrawl_items AS i (job, id, sent_run, sends, lease_owner, lease_until)
 SELECT %(job)s, v.id, %(run)s, 1, %(run)s, {NOW} + %(lease)s
