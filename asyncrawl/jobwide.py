@@ -109,9 +109,11 @@ class Heartbeat:
         halt = self.stop.halt
         if halt is not None and halt.reason in JOB_WIDE and not self._published_halt \
                 and not self.halted_elsewhere:
-            self._published_halt = True
+            # (marked published only once the answer is in: a publication cut short by the
+            # heartbeat's cancellation is made again by ``_Shared.close``, and says the same)
             if not await self.store.publish_halt(halt):
                 self.halted_elsewhere = True
+            self._published_halt = True
 
     async def beat(self, now: float) -> None:
         store, stop, gov = self.store, self.stop, self.governor()

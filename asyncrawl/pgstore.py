@@ -566,7 +566,8 @@ class PgStore:
         """Halt every run of this generation of the job (they see it at their next
         heartbeat); ``False`` if another run's halt was published first (its alerts go). A
         halt published before this run started (which its heartbeat ignores: it was meant
-        for the runs of that time) is replaced."""
+        for the runs of that time) is replaced. Asking again gives the same answer (a call
+        cut short by a cancellation is made again: its answer must not change)."""
         def go() -> bool:
             with self._db("control", "publish the halt") as db:
                 cur = db.execute(
@@ -576,7 +577,11 @@ class PgStore:
                     (self._gen, _jsonb({"reason": halt.reason, "status": halt.status,
                                         "message": halt.message, "run": self._run}),
                      self.job_name, self._gen, self._started))
-                return cur.rowcount == 1
+                if cur.rowcount == 1:
+                    return True
+                row = db.execute("SELECT (halt->>'run')::bigint FROM asyncrawl_jobs "
+                                 "WHERE job = %s", (self.job_name,)).fetchone()
+                return row is not None and row[0] == self._run
         return await asyncio.to_thread(go)
 
     async def publish_pause(self, seconds: float) -> None:

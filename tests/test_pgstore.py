@@ -574,6 +574,10 @@ def test_a_halt_from_before_a_run_started_does_not_silence_its_own(job: str) -> 
         a, b = await _run_of(job, 1), await _run_of(job, 2)
         assert await a.publish_halt(Halt("fatal", 402, "HTTP 402"))
         assert not await b.publish_halt(Halt("fatal", 402, "HTTP 402"))  # one halt, one alert
+        # asked again (a publication cut short by a cancellation is made again): the same
+        # answers, so that neither a second alert nor none at all is sent
+        assert await a.publish_halt(Halt("fatal", 402, "HTTP 402"))
+        assert not await b.publish_halt(Halt("fatal", 402, "HTTP 402"))
         a.commit([Record("end", extra={})])
         c, d = await _run_of(job, 3), await _run_of(job, 4)  # b lives on: the same generation
         assert (c._gen, d._gen) == (a._gen, a._gen) and (await d.heartbeat()).halt is None
