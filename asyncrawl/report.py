@@ -113,11 +113,12 @@ def status_text(s: dict[str, Any]) -> str:
                      f"{row['sent']:,} calls sent")
     if s["not_billed"] is not None:
         lines.append(f"not billed   {s['not_billed']:,} calls  (error answers, timeouts, dropped "
-                     f"connections; {s['requests_sent']:,} calls sent in all)")
+                     f"connections: a provider may bill the last two; {s['requests_sent']:,} "
+                     "calls sent in all)")
     if s["in_doubt"] or s["possibly_billed_twice"]:
         lines.append(f"in doubt     {s['in_doubt']:,} sent when a run was cut off, no result kept "
-                     f"(possibly billed); {s['possibly_billed_twice']:,} of those re-fetched since "
-                     "(possibly billed twice): asyncrawl export --outcome in-doubt")
+                     f"(possibly billed), and {s['possibly_billed_twice']:,} more fetched again "
+                     "since (possibly billed twice): asyncrawl export --outcome in-doubt")
     if s["running"] is not None:
         who = (f"{s['running']} process{'es' if s['running'] != 1 else ''}"
                if s.get("shared") else f"pid {s['running']}")
