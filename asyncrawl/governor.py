@@ -30,8 +30,6 @@ from typing import NamedTuple
 
 from aiolimiter import AsyncLimiter
 
-SHARE_OF = 200  # answers, at least, over which a share of 429s is judged (RateController)
-
 
 class RateController:
     """The effective request rate: multiplicative decrease, additive increase, with memory.
@@ -59,12 +57,7 @@ class RateController:
       most ``min(2 × background, 1%) + 0.5%`` among the answers of any second of it changes
       nothing. A quota overrun shows as a share well
       above what the job sees at other times. The same test decides whether a ``Retry-After``
-      pauses the whole job (``limiting``) or only the item it came with. A share is taken over
-      the last second or the last ``SHARE_OF`` answers, whichever holds more (at the start,
-      over ``SHARE_OF`` answers as if those not yet in were accepted): a second at a low rate,
-      or the first second of a job, holds too few answers to tell (one 429 among 50 is 2 %),
-      and lone 429s cut the rate a little more each time (a 0.2 % mix took a 150 req/s job to
-      18 req/s). A quota overrun brings many 429s at once, and shows all the same.
+      pauses the whole job (``limiting``) or only the item it came with.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
       the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
@@ -72,8 +65,7 @@ class RateController:
     Never above ``max_rate``; never below ``min_rate``.
     """
 
-    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_share", "_last", "_last_counts",
-                 "_last_cut",
+    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_share", "_last_cut",
                  "_last_raise", "_limited", "_limited_recent", "_pause_end", "_paused", "_recent",
                  "_recent_at_episode",
                  "_sent", "_since", "_steady", "background", "ceiling", "cuts", "max_rate",
@@ -97,9 +89,6 @@ class RateController:
         self._recent_at_episode = 0
         self._limited_recent: deque[float] = deque()  # rate-limit answers of the last second
         self._asked: deque[float] = deque()  # answers of the last second that asked us to wait
-        # the last SHARE_OF answers: (limited, asked), and how many of each among them
-        self._last: deque[tuple[bool, bool]] = deque()
-        self._last_counts = [0, 0]
         self.background = 0.0  # long-run share of 429s among answers
         self._episode_share = 0.0  # the highest share of 429s in a second, since the last judgement
 
@@ -130,14 +119,6 @@ class RateController:
         """Record an answer; ``limited``: the server said "too many requests"; ``asked``: the
         answer carried a ``Retry-After``."""
         self.background += (limited - self.background) / 2000.0
-        last, counts = self._last, self._last_counts
-        if len(last) >= SHARE_OF:
-            was_limited, was_asked = last.popleft()
-            counts[0] -= was_limited
-            counts[1] -= was_asked
-        last.append((limited, asked))
-        counts[0] += limited
-        counts[1] += asked
         if asked:
             self._asked.append(now)
         if limited:
@@ -169,10 +150,7 @@ class RateController:
         docstring): then a ``Retry-After`` pauses every request, not only its own item."""
         self._trim(now)
         answers = len(self._recent) + len(self._limited_recent)
-        asked = len(self._asked)
-        if answers < SHARE_OF:  # too few this second: the last SHARE_OF answers
-            answers, asked = SHARE_OF, self._last_counts[1]
-        return bool(self._asked) and asked > self._noise() * answers
+        return bool(self._asked) and len(self._asked) > self._noise() * answers
 
     def _trim(self, now: float) -> None:
         """Keep only the last second in the per-second windows."""
@@ -182,14 +160,10 @@ class RateController:
                 q.popleft()
 
     def _recent_share(self, now: float) -> float:
-        """The share of 429s among the answers of the last second (or of the last
-        ``SHARE_OF`` answers, if those are more)."""
+        """The share of 429s among the answers of the last second."""
         self._trim(now)
         limited = len(self._limited_recent)
-        answers = len(self._recent) + limited
-        if answers < SHARE_OF:  # (at the start, fewer: as many as SHARE_OF with no 429 more)
-            answers, limited = SHARE_OF, self._last_counts[0]
-        return limited / answers if limited else 0.0
+        return limited / (len(self._recent) + limited) if limited else 0.0
 
     def _noise(self) -> float:
         """The share of 429s that is background, not a quota: twice the long-run share, but
