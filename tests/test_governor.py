@@ -290,3 +290,31 @@ async def test_a_re_share_of_the_rate_adds_no_burst_to_the_job_s() -> None:
     assert not joining.lanes[0].limiter.has_capacity()
     alone = Governor(rate=100, burst=10, adaptive=False)  # a job's first run: its burst
     assert alone.lanes[0].limiter.has_capacity(10)
+
+
+@pytest.mark.xfail(strict=True, reason="known: lone per-item 429s at a low rate ratchet the "
+                   "rate down (each cuts 5 %, the climb back near the ceiling it sets is 0.1 %/s)")
+@pytest.mark.parametrize("rate", [50, 20])
+def test_lone_429s_at_a_low_rate_do_not_ratchet_the_rate_down(rate: int) -> None:
+    """0.3 % of answers are 429 with ``Retry-After: 1`` whatever the rate (per-item locks), at
+    a rate where a second holds too few answers to tell one from a quota overrun (one 429
+    among 50 answers is 2 %). Wanted: the rate stays near the configured one. Today each lone
+    429 is judged a quota at 99.7 % of the rate and cuts 5 %: 50 req/s ends at ~7 (a realistic
+    run of the flaky mix at 150 req/s went to 18). The fix must keep a lone first 429 pausing
+    the job (``test_retry_after_pauses_the_whole_job``) and the convergence to a hard quota."""
+    c = RateController(max_rate=rate, now=0.0)
+    t, n, paused_until, lowest = 0.0, 0, 0.0, float(rate)
+    while n < 24_000:
+        t = max(t, paused_until)
+        c.tick(t)
+        c.on_send(t)
+        n += 1
+        limited = n % 333 == 0
+        c.on_response(t + 0.005, t, limited, asked=limited)
+        if limited and c.limiting(t + 0.005):  # as the governor: the job waits it out
+            c.on_pause(t + 0.005, t + 1.005)
+            paused_until = t + 1.005
+        if t > 5:
+            lowest = min(lowest, c.rate)
+        t += 1.0 / c.rate
+    assert lowest >= 0.9 * rate, (lowest, c.cuts)
