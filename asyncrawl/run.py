@@ -48,7 +48,7 @@ from .records import SETTLED, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
-from .worker import Ledger, Stop, Worker, budget_halt, outcome_record, paid_keys
+from .worker import Ledger, Stop, Worker, billed_record, budget_halt, outcome_record
 from .writer import Writer
 
 log = logging.getLogger("asyncrawl")
@@ -422,9 +422,7 @@ class Run:
                 self.cut_off |= workers.flying
                 for item in workers.unsettled():
                     if item.paid:  # billed answers (e.g. a 2xx that did not parse), unsettled
-                        key, by = paid_keys(item)
-                        writer.put(Record("billed", item.id, paid=item.paid, key=key,
-                                          extra={"paid_by": by} if by else None))
+                        writer.put(billed_record(item))
         for t in tasks:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:

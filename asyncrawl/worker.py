@@ -227,6 +227,13 @@ def outcome_record(item: Item, attempt: Attempt, kind: str, *, permanent: bool, 
                           pass_no, item.tries, item.paid, body, key, paid_by)
 
 
+def billed_record(item: Item) -> Record:
+    """The record of ``item``'s paid answers when it is left unsettled (``item.paid`` > 0)."""
+    key, by = paid_keys(item)
+    return Record("billed", item.id, paid=item.paid, key=key,
+                  extra={"paid_by": by} if by else None)
+
+
 def paid_keys(item: Item) -> tuple[str | None, dict[str, int] | None]:
     """The API key (fingerprint) that ``item``'s paid answers came with, or, if they came with
     several, how many with each (``Record.outcome``'s ``key`` and ``paid_by``)."""
@@ -339,9 +346,7 @@ class Worker:
                         "(it was held up for longer than the lease): that one fetches it",
                         item.id)
         if item.paid:
-            key, by = paid_keys(item)
-            self.sink.put(Record("billed", item.id, paid=item.paid, key=key,
-                                 extra={"paid_by": by} if by else None))
+            self.sink.put(billed_record(item))
         self.ledger.left(item)
 
     def _retire(self, lane: int, attempt: Attempt) -> bool:
