@@ -73,8 +73,8 @@ class JobMismatch(AsyncrawlError):
 
 
 # errno values that say a path given for a file to write is wrong (not that the disk failed)
-BAD_PLACE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
-                       errno.EISDIR, errno.ENAMETOOLONG})
+_BAD_PLACE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                        errno.EISDIR, errno.ENAMETOOLONG})
 
 
 class StorageError(AsyncrawlError):
@@ -85,6 +85,15 @@ class StorageError(AsyncrawlError):
     def __init__(self, message: str, *, path: Path | str | None = None):
         self.path = str(path) if path is not None else None
         super().__init__(f"{self.path}: {message}" if self.path else message)
+
+
+def output_error(e: OSError, path: Path | str) -> AsyncrawlError:
+    """The error for an export file that cannot be made at ``path``: the flag's fault (a
+    directory that does not exist, no permission: exit 2), else the disk's (exit 5)."""
+    if e.errno in _BAD_PLACE:
+        return ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
+                           path=path)
+    return StorageError(f"cannot write the export: {e.strerror}", path=path)
 
 
 class JournalCorrupt(StorageError):

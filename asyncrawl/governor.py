@@ -485,11 +485,13 @@ class Governor:
         self.runs = runs
         n = len(self.lanes)
         burst = max(1, round(self.burst / runs))
+        def spent(bucket: AsyncLimiter) -> float:
+            return _spent(bucket) if self._sent else 1.0
+
         for lane, b in zip(self.lanes, _split(burst, n), strict=True):
-            lane.resize(self.rate / runs / n, b, _spent(lane.limiter) if self._sent else 1.0)
+            lane.resize(self.rate / runs / n, b, spent(lane.limiter))
         if self.limiter is not None:
-            self.limiter = _bucket(burst, self.rate / runs,
-                                   _spent(self.limiter) if self._sent else 1.0)
+            self.limiter = _bucket(burst, self.rate / runs, spent(self.limiter))
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from .errors import BAD_PLACE, ConfigError, StorageError, require_extra
+from .errors import StorageError, output_error, require_extra
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
@@ -95,11 +95,8 @@ def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         os.close(fd)
-    except OSError as e:  # no such directory, no permission: the flag's fault (exit 2)
-        if e.errno not in BAD_PLACE:
-            raise StorageError(f"cannot write the export: {e.strerror}", path=path) from None
-        raise ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
-                          path=path) from None
+    except OSError as e:
+        raise output_error(e, path) from None
     n = 0
     try:
         with pq.ParquetWriter(tmp, schema) as writer:

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import orjson
 
 from .config import Config, endpoint_of
-from .errors import BAD_PLACE, ConfigError, StorageError
+from .errors import ConfigError, StorageError, output_error
 from .live import read_live
 from .pgstore import PgStore
 from .progress import halt_text
@@ -255,11 +255,8 @@ def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
     readers of the target see the old file or the complete new one, never a partial export."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as e:  # no such directory, no permission: the flag's fault (exit 2)
-        if e.errno not in BAD_PLACE:
-            raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
-        raise ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
-                          path=target) from None
+    except OSError as e:
+        raise output_error(e, target) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             n = write(f)

@@ -312,7 +312,8 @@ class Worker:
                 del held[id(item)]
                 self.parking.park(item, 0.0)
                 continue
-            attempt = await self._send(item, lane)
+            first = self._first(item)  # (what this try says of the API: before it counts)
+            attempt = await self._send(item, lane, first)
             del held[id(item)]  # no await from here on: it is parked or settled below
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY
@@ -326,7 +327,7 @@ class Worker:
             # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
             # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
             gov.on_response(ticket, item.id, limited=limited, failed=down,
-                            retry_after=retry_after, evidence=self._first(item))
+                            retry_after=retry_after, evidence=first)
             # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
             outage = down and gov.breaker_open and not ticket.probe
             verdict = decide(item, attempt, self.config, self.pass_no, outage=outage)
@@ -367,7 +368,7 @@ class Worker:
         earlier run): only such tries tell something of the API rather than of the ID."""
         return item.tries == 0 and self.pass_no == 1 and not item.suspect
 
-    async def _send(self, item: Item, lane: int = 0) -> Attempt:
+    async def _send(self, item: Item, lane: int = 0, first: bool = True) -> Attempt:
         self.in_flight += 1
         if not item.sent and not item.suspect:
             item.sent = True
@@ -376,7 +377,7 @@ class Worker:
         self.idle.clear()
         self.requests += 1
         # (never raises but CancelledError)
-        attempt = await self.fetcher.attempt(item.id, lane, first=self._first(item))
+        attempt = await self.fetcher.attempt(item.id, lane, first=first)
         self.flying.discard(item.id)
         self.in_flight -= 1
         if self.in_flight == 0:
