@@ -58,6 +58,20 @@ class RateController:
       nothing. A quota overrun shows as a share well
       above what the job sees at other times. The same test decides whether a ``Retry-After``
       pauses the whole job (``limiting``) or only the item it came with.
+    * **What the server took.** A stretch without a 429 that began with one bounds a quota
+      from below: if that 429 was the quota's, its bucket (or window) was empty when it said
+      no, and refilled at most at the quota's rate since, pauses included, so ``quota >=
+      accepted / wall`` over the stretch (at least 2 s of sending; see ``_clean_stretch``).
+      An episode of few 429s (no more among its answers than the background gives by chance)
+      at a rate within 3% of that bound is about its items: no cut, and the ceiling is
+      forgotten (a fast climb back); above it, its cut goes no lower than the bound, and the
+      ceiling becomes the rate where it came. Without this, each lone 429 at a low rate (one
+      is 2% of a second's answers at 50 req/s) cut 5% and set a ceiling there, and the rate
+      ratcheted down for good (50 req/s ended at 7). The bound is an estimate, not a proof:
+      a per-item 429 or a bucket's saved-up burst can put it too high, so it is kept only
+      while stretches keep showing 90% of it, and dropped two minutes after the last one,
+      or at once when an episode of many 429s comes below it (the quota changed). Episodes
+      of many 429s cut as before, below it too.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
       the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
@@ -65,11 +79,11 @@ class RateController:
     Never above ``max_rate``; never below ``min_rate``.
     """
 
-    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_share", "_last_cut",
-                 "_last_raise", "_limited", "_limited_recent", "_pause_end", "_paused", "_recent",
-                 "_recent_at_episode",
-                 "_sent", "_since", "_steady", "background", "ceiling", "cuts", "max_rate",
-                 "min_rate", "rate")
+    __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
+                 "_last_cut", "_last_raise", "_limited", "_limited_recent", "_pause_end",
+                 "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
+                 "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
+                 "_stretch_took", "background", "ceiling", "cuts", "max_rate", "min_rate", "rate")
 
     def __init__(self, *, max_rate: float, min_rate: float | None = None, now: float = 0.0) -> None:
         self.max_rate = max_rate
@@ -91,6 +105,13 @@ class RateController:
         self._asked: deque[float] = deque()  # answers of the last second that asked us to wait
         self.background = 0.0  # long-run share of 429s among answers
         self._episode_share = 0.0  # the highest share of 429s in a second, since the last judgement
+        self._proven = 0.0  # a rate the server has been seen to sustain (see _clean_stretch)
+        self._proven_at = -math.inf  # ... last seen then (forgotten after two minutes)
+        self._stretch: float | None = None  # when the latest 429 came (None: none yet) ...
+        self._stretch_origin = 0.0  # ... and when its request was sent
+        self._stretch_took = 0  # accepted answers to requests sent since then
+        self._stretch_paused = 0.0  # time paused since then
+        self._episode_answers = 0  # answers since the open episode began
 
     def __repr__(self) -> str:
         return (f"<RateController rate={self.rate:.2f}/{self.max_rate:g} ceiling={self.ceiling} "
@@ -111,6 +132,7 @@ class RateController:
     def on_pause(self, start: float, end: float) -> None:
         """The job is paused from ``start`` to ``end``: not sending, so not counted as time."""
         self._paused += end - start
+        self._stretch_paused += end - start
         self._pause_end = max(self._pause_end, end)
         if self._decide_at is not None:
             self._decide_at = max(self._decide_at, end)
@@ -122,12 +144,17 @@ class RateController:
         if asked:
             self._asked.append(now)
         if limited:
+            self._clean_stretch(now, sent_at)
+        elif self._stretch is not None and sent_at >= self._stretch:
+            self._stretch_took += 1
+        if limited:
             self._limited_recent.append(now)
             self._episode_share = max(self._episode_share, self._recent_share(now))
         if sent_at >= self._last_cut:
             if limited:
                 self._limited += 1
                 if self._decide_at is None:
+                    self._episode_answers = 0
                     self._decide_at = now + 0.25
                     since = self._since if self._since is not None else now
                     self._steady = now - max(since, self._pause_end) >= 1.0
@@ -140,9 +167,31 @@ class RateController:
             self._recent.append(now)
             while self._recent[0] < now - 1.0:
                 self._recent.popleft()
+        if self._decide_at is not None:
+            self._episode_answers += 1
         self.tick(now)
         if not limited:
             self._maybe_raise(now)
+
+    def _clean_stretch(self, now: float, sent_at: float) -> None:
+        """A 429 ends a stretch without one: what the server took in it bounds a quota from
+        below, if the 429 that began it was the quota's (its bucket, or window, was empty
+        when it refused that request, after it was sent): since then it refilled at most at
+        the quota's rate, pauses included, so ``quota >= accepted / wall``, counting the
+        accepted answers to requests sent after that 429 came back, over the time from when
+        it was sent to now. (A per-item 429, or a burst the bucket had saved up, can make
+        this too high: so it is kept only while stretches keep showing 90 % of it, and
+        forgotten two minutes after the last.) The first stretch, from the start, proves
+        nothing: the bucket may have been full."""
+        if self._stretch is not None and now - self._stretch - self._stretch_paused >= 2.0:
+            took = self._stretch_took / (now - self._stretch_origin)
+            if now - self._proven_at > 120.0:
+                self._proven = 0.0
+            if took >= 0.9 * self._proven:
+                self._proven, self._proven_at = max(self._proven, took), now
+        # (a pause already under way, for an earlier 429 of this episode, is the stretch's too)
+        self._stretch, self._stretch_origin, self._stretch_took = now, sent_at, 0
+        self._stretch_paused = max(0.0, self._pause_end - now)
 
     def limiting(self, now: float) -> bool:
         """Is the server holding back the *job* (not one item)? True when the answers of the
@@ -179,8 +228,21 @@ class RateController:
         answered = self._accepted + self._limited
         share, self._episode_share = self._episode_share, 0.0
         if share <= self._noise():
-            self._new_episode()  # background 429s (see the class docstring): change nothing
+            self._no_cut()  # background 429s (see the class docstring): change nothing
             return
+        proven = self._proven if now - self._proven_at <= 120.0 else 0.0
+        # few: no more 429s than the background gives by chance among the episode's answers
+        answers = max(self._episode_answers, self._limited)
+        lone = _binomial_tail(self._limited, answers, self._noise()) > 1e-3
+        if lone and 0.97 * self.rate <= proven:
+            # A lone 429 at a rate the server has been seen to take (or within the 3 % that a
+            # cut keeps below a quota): no quota refuses that, so it is about its item. No
+            # cut; and the ceiling (set by a like 429, likely) is forgotten: a fast climb.
+            self.ceiling = None
+            self._no_cut()
+            return
+        if not lone and self.rate < proven:
+            proven = self._proven = 0.0  # many 429s below what the server took: it changed
         wall = max(now - (self._since if self._since is not None else now), 0.05)
         if self._steady:
             send_rate = min(self.rate, self._sent / max(wall - self._paused, 0.05))
@@ -197,10 +259,21 @@ class RateController:
             quota = self._accepted / wall
             self.ceiling = None
             target = 0.95 * quota
-        self.rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
+        rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
+        if lone and rate < proven:  # a lone 429 cuts no lower than the server took; a quota,
+            rate = min(self.rate, proven)  # if any, is between that and where it came
+            self.ceiling = self.rate
+        self.rate = rate
         self._last_cut = self._last_raise = now
         self._new_episode()
         self.cuts += 1
+
+    def _no_cut(self) -> None:
+        """Close the episode without a cut: what was sent and accepted since the last cut
+        still counts (an estimate made soon after from a count started afresh here took a
+        second's three answers for a quota of three a second)."""
+        self._decide_at = None
+        self._limited = 0
 
     def _new_episode(self) -> None:
         """Start counting afresh: no episode open, nothing sent, accepted or refused."""
@@ -213,6 +286,7 @@ class RateController:
         share of it) if lower. Not counted as a cut of this controller's own."""
         if rate < self.rate:
             self.rate = max(self.min_rate, rate)
+            self._proven = min(self._proven, self.rate)  # it is the job's rate now
             self._last_cut = self._last_raise = now
             self._new_episode()
 
@@ -228,6 +302,15 @@ class RateController:
         growth = 0.001 if near else 0.05
         self.rate = min(self.max_rate, self.rate * (1 + growth) ** elapsed)
         self._last_raise = now
+
+    def reshare(self, max_rate: float) -> None:
+        """A new share of a shared job's rate: unless it had slowed down to a quota, the rate
+        goes with the share. What the server was seen to take shrinks with a smaller share
+        (a larger one is not shown yet)."""
+        if max_rate < self.max_rate:
+            self._proven *= max_rate / self.max_rate
+        self.rate = max_rate if self.rate >= self.max_rate else min(self.rate, max_rate)
+        self.max_rate = max_rate
 
 
 class Breaker:
@@ -358,8 +441,23 @@ class Breaker:
 
 
 def _binomial_tail(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p)."""
-    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1))
+    """``P(X >= k)`` for ``X ~ Binomial(n, p)``, ``0 < p < 1``: one minus the first ``k``
+    terms, in logs (the first underflows for large ``n``); few terms for the small ``k`` asked
+    about here, and none far out in the tail, where it is 0 to within 1e-20."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    mean = n * p
+    if k > mean + 12 * math.sqrt(mean * (1 - p)) + 25:
+        return 0.0
+    log_term = n * math.log1p(-p)
+    ratio = math.log(p) - math.log1p(-p)
+    below = 0.0
+    for i in range(k):
+        below += math.exp(log_term)
+        log_term += math.log(n - i) - math.log(i + 1) + ratio
+    return max(0.0, 1.0 - below)
 
 
 class Ticket(NamedTuple):
@@ -404,9 +502,8 @@ class Lane:
         self.rate = rate
         self.limiter = _bucket(burst, rate, spent)
         c = self.controller
-        if c is not None:  # unless it had slowed down to a quota, it goes with the share
-            c.rate = rate if c.rate >= c.max_rate else min(c.rate, rate)
-            c.max_rate = rate
+        if c is not None:
+            c.reshare(rate)
 
     def pause(self, now: float, until: float, *, held_until: float = 0.0) -> None:
         """Hold this lane until ``until``; ``held_until``: the job is paused until then anyway

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
+import random
+from collections.abc import Callable
 
 import pytest
 
@@ -292,29 +295,117 @@ async def test_a_re_share_of_the_rate_adds_no_burst_to_the_job_s() -> None:
     assert alone.lanes[0].limiter.has_capacity(10)
 
 
-@pytest.mark.xfail(strict=True, reason="known: lone per-item 429s at a low rate ratchet the "
-                   "rate down (each cuts 5 %, the climb back near the ceiling it sets is 0.1 %/s)")
-@pytest.mark.parametrize("rate", [50, 20])
-def test_lone_429s_at_a_low_rate_do_not_ratchet_the_rate_down(rate: int) -> None:
-    """0.3 % of answers are 429 with ``Retry-After: 1`` whatever the rate (per-item locks), at
-    a rate where a second holds too few answers to tell one from a quota overrun (one 429
-    among 50 answers is 2 %). Wanted: the rate stays near the configured one. Today each lone
-    429 is judged a quota at 99.7 % of the rate and cuts 5 %: 50 req/s ends at ~7 (a realistic
-    run of the flaky mix at 150 req/s went to 18). The fix must keep a lone first 429 pausing
-    the job (``test_retry_after_pauses_the_whole_job``) and the convergence to a hard quota."""
-    c = RateController(max_rate=rate, now=0.0)
-    t, n, paused_until, lowest = 0.0, 0, 0.0, float(rate)
-    while n < 24_000:
+def pace(c: RateController, answer: Callable[[float], bool], seconds: float,
+         latency: float = 0.005, retry_after: float = 1.0) -> list[tuple[float, float, bool]]:
+    """A client paced by ``c`` (one request at a time) against ``answer(t) -> limited``; every
+    429 carries ``Retry-After`` and, when ``c`` judges it holds the job back, pauses the job as
+    the governor does. Returns (time, rate, limited) per request."""
+    t, paused_until, seen = 0.0, 0.0, []
+    while t < seconds:
         t = max(t, paused_until)
         c.tick(t)
         c.on_send(t)
-        n += 1
-        limited = n % 333 == 0
-        c.on_response(t + 0.005, t, limited, asked=limited)
-        if limited and c.limiting(t + 0.005):  # as the governor: the job waits it out
-            c.on_pause(t + 0.005, t + 1.005)
-            paused_until = t + 1.005
-        if t > 5:
-            lowest = min(lowest, c.rate)
+        limited = answer(t)
+        c.on_response(t + latency, t, limited, asked=limited)
+        if limited and c.limiting(t + latency):
+            c.on_pause(t + latency, t + latency + retry_after)
+            paused_until = t + latency + retry_after
+        seen.append((t, c.rate, limited))
         t += 1.0 / c.rate
-    assert lowest >= 0.9 * rate, (lowest, c.cuts)
+    return seen
+
+
+@pytest.mark.parametrize("rate", [20, 50, 100])
+def test_lone_429s_at_a_low_rate_do_not_ratchet_the_rate_down(rate: int) -> None:
+    """Every 333rd answer is a 429 with ``Retry-After: 1`` whatever the rate (per-item locks),
+    at rates where a second holds too few answers to tell one from a quota overrun (one 429
+    among 50 answers is 2 %). Each pauses the job (as it must: see
+    ``test_retry_after_pauses_the_whole_job``), and the first ones cut the rate; but no 429
+    cuts below what the server has been seen to take: after ``T`` s of sending without a
+    429 that followed one and its pause, ``quota >= rate x T / (T + pause)`` (here T = 333 /
+    rate, so 0.77 of the rate at 100 req/s, 0.87 at 50, 0.94 at 20). The rate used to ratchet
+    down for good: 100 req/s ended at 8.5, 50 at 7, 20 at 6.3."""
+    n = 0
+
+    def answer(t: float) -> bool:
+        nonlocal n
+        n += 1
+        return n % 333 == 0
+
+    seen = pace(RateController(max_rate=rate, now=0.0), answer, seconds=600)
+    rates = [r for t, r, _ in seen if t > 5]
+    third = len(rates) // 3
+    mean, late = sum(rates) / len(rates), sum(rates[-third:]) / third
+    bound = rate * (333 / rate) / (333 / rate + 1.0)
+    assert min(rates) >= 0.95 * bound, (min(rates), bound)  # not a ratchet: bounded ...
+    assert late >= 0.95 * bound and mean >= 0.95 * bound, (mean, late)  # ... all along
+
+
+@pytest.mark.parametrize("rate", [100, 150, 400])
+def test_random_lone_429s_leave_the_rate_alone(rate: int) -> None:
+    """0.3 % of answers at random are 429s (so now and then two in one second), four seeds:
+    the mean rate stays >= 80 % of the configured one in each (it was 3-97 %, 30 % typical;
+    an early pair of 429s before any stretch has shown what the server takes still costs a
+    dip)."""
+    for seed in range(4):
+        draw = random.Random(seed).random
+        seen = pace(RateController(max_rate=rate, now=0.0), lambda t, d=draw: d() < 0.003,
+                    seconds=600)
+        rates = [r for t, r, _ in seen if t > 5]
+        assert sum(rates) / len(rates) >= 0.8 * rate, seed
+
+
+def pace_concurrently(c: RateController, answer: Callable[[float], bool], seconds: float,
+                      in_flight: int, latency: float) -> list[tuple[float, float]]:
+    """As ``pace``, with up to ``in_flight`` requests out at once, each answered ``latency``
+    seconds after it was sent (decided by the server half-way). Returns (time, rate) per send."""
+    out: list[tuple[float, float, bool]] = []  # heap of (answered at, sent at, limited)
+    t, paused_until, ready, seen = 0.0, 0.0, 0.0, []
+    while t < seconds:
+        slot = max(ready, paused_until, t)
+        if len(out) >= in_flight or (out and out[0][0] <= slot):
+            at, sent, limited = heapq.heappop(out)
+            t = max(t, at)
+            c.on_response(t, sent, limited, asked=limited)
+            if limited and c.limiting(t) and t + 1.0 > paused_until:
+                c.on_pause(max(t, paused_until), t + 1.0)
+                paused_until = t + 1.0
+            continue
+        t = slot
+        c.tick(t)
+        c.on_send(t)
+        heapq.heappush(out, (t + latency, t, answer(t + latency / 2)))
+        ready = t + 1.0 / c.rate
+        seen.append((t, c.rate))
+    return seen
+
+
+def test_lone_429s_with_many_requests_in_flight_leave_the_rate_alone() -> None:
+    """0.3 % random per-item 429s at 100 req/s, 32 in flight, 0.2 s latency: the mean rate
+    stays >= 85 % of the configured one (it was 46 %)."""
+    draw = random.Random(1).random
+    seen = pace_concurrently(RateController(max_rate=100, now=0.0), lambda t: draw() < 0.003,
+                             seconds=300, in_flight=32, latency=0.2)
+    rates = [r for t, r in seen if t > 20]
+    assert sum(rates) / len(rates) >= 85
+
+
+def test_a_quota_lowered_mid_run_is_found_again() -> None:
+    """A server whose windowed quota drops from 100 to 60 req/s two minutes in (another client
+    took a share of the key): what it took before does not hold the rate above the new quota:
+    at most 10 % over it 40 s after the drop, and after a minute, successful requests >= 0.85
+    x 60 per second and < 5 % 429s."""
+    state = {"window": -1, "used": 0}
+
+    def answer(t: float) -> bool:
+        quota = 100 if t < 120 else 60
+        if int(t) != state["window"]:
+            state["window"], state["used"] = int(t), 0
+        state["used"] += 1
+        return state["used"] > quota
+
+    seen = pace(RateController(max_rate=150, now=0.0), answer, seconds=420)
+    assert max(r for t, r, _ in seen if t >= 160) <= 1.1 * 60  # within 40 s of the drop
+    late = [limited for t, _, limited in seen if t >= 180]
+    assert sum(late) / len(late) < 0.05
+    assert sum(1 for lim in late if not lim) / 240 >= 0.85 * 60
