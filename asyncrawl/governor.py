@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 from aiolimiter import AsyncLimiter
 
+PROVEN_FOR = 120.0  # seconds a figure of what the server takes holds without a stretch showing it
+
 
 class RateController:
     """The effective request rate: multiplicative decrease, additive increase, with memory.
@@ -145,11 +147,10 @@ class RateController:
             self._asked.append(now)
         if limited:
             self._clean_stretch(now, sent_at)
-        elif self._stretch is not None and sent_at >= self._stretch:
-            self._stretch_took += 1
-        if limited:
             self._limited_recent.append(now)
             self._episode_share = max(self._episode_share, self._recent_share(now))
+        elif self._stretch is not None and sent_at >= self._stretch:
+            self._stretch_took += 1
         if sent_at >= self._last_cut:
             if limited:
                 self._limited += 1
@@ -185,13 +186,16 @@ class RateController:
         nothing: the bucket may have been full."""
         if self._stretch is not None and now - self._stretch - self._stretch_paused >= 2.0:
             took = self._stretch_took / (now - self._stretch_origin)
-            if now - self._proven_at > 120.0:
-                self._proven = 0.0
-            if took >= 0.9 * self._proven:
-                self._proven, self._proven_at = max(self._proven, took), now
+            proven = self._proven_now(now)
+            if took >= 0.9 * proven:
+                self._proven, self._proven_at = max(proven, took), now
         # (a pause already under way, for an earlier 429 of this episode, is the stretch's too)
         self._stretch, self._stretch_origin, self._stretch_took = now, sent_at, 0
         self._stretch_paused = max(0.0, self._pause_end - now)
+
+    def _proven_now(self, now: float) -> float:
+        """What the server was seen to take, unless no stretch has shown it for two minutes."""
+        return self._proven if now - self._proven_at <= PROVEN_FOR else 0.0
 
     def limiting(self, now: float) -> bool:
         """Is the server holding back the *job* (not one item)? True when the answers of the
@@ -230,7 +234,7 @@ class RateController:
         if share <= self._noise():
             self._no_cut()  # background 429s (see the class docstring): change nothing
             return
-        proven = self._proven if now - self._proven_at <= 120.0 else 0.0
+        proven = self._proven_now(now)
         # few: no more 429s than the background gives by chance among the episode's answers
         answers = max(self._episode_answers, self._limited)
         lone = _binomial_tail(self._limited, answers, self._noise()) > 1e-3
