@@ -40,22 +40,26 @@ JOB_WIDE = ("fatal",)  # halts that stop every run of the job
 MERGE = 100_000  # IDs per merge transaction (after the first chunk)
 
 
-async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> int:
-    """Add every ID of ``source`` to the job; how many were new."""
+async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> tuple[int, int]:
+    """Add every ID of ``source`` to the job: (IDs given, IDs in blocks the job did not have).
+    The chunks are cut the same way each time (the first chunk alone, then ``MERGE`` IDs or
+    more), so that the same file merged again is in the same blocks: the job has them."""
     chunks = source.chunks() if isinstance(source, IdsFile) else source
-    added = 0
+    given = added = 0
     block: list[str] = []
     try:  # (the run is registered as merging)
         async for chunk in chunks:  # the first chunk at once (fetching starts), then blocks
             block += chunk
-            if len(block) >= (MERGE if added else 1):
+            if len(block) >= (MERGE if given else 1):
                 added += await store.merge(block)
+                given += len(block)
                 block = []
         if block:
             added += await store.merge(block)
+            given += len(block)
     finally:
         await store.set_merging(False)
-    return added
+    return given, added
 
 
 async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],

@@ -314,11 +314,12 @@ class Run:
     async def _merge(self, store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> None:
         """Add the run's IDs to the shared job (while its IDs are claimed and fetched)."""
         try:
-            added = await merge(store, source)
+            given, added = await merge(store, source)
         except StorageError as e:
             self._on_storage_error(e)
             return
-        log.info("added %s new IDs to the job", f"{added:,}")
+        known = f" ({given - added:,} in blocks the job had already)" if added < given else ""
+        log.info("merged %s IDs into the job%s", f"{given:,}", known)
 
     async def _claimed(self, job: _Shared, pass_no: int, writer: Writer) -> AsyncIterator[Chunk]:
         """A shared job's IDs for the pass, leased from the job: pass 1 what has no outcome

@@ -18,7 +18,10 @@ scenario a new job in the PostgreSQL database ``--pg``:
   job is configured for 3 x that: 1 and 4 processes, the accepted rate and the share of 429s
   (each process adapts its share of the rate to what the server accepts, and a pause the
   server asks for holds every process).
-* **merge**: ``PgStore.merge`` of ``--merge-ids`` IDs into a new job, IDs per second.
+* **merge**: a file of ``--merge-ids`` shuffled IDs merged into a new job as a run does
+  (``jobwide.merge``: the file read, its blocks added), then taken in (``PgStore.take_in``:
+  every block expanded into item rows, which the claims do a block at a time while the job
+  is fetched), then merged again (a rerun): IDs per second of each.
 
 Usage::
 
@@ -98,19 +101,37 @@ def window_max(starts: list[float], width: float = 1.0) -> int:
     return best
 
 
-async def merge_rate(pg: str, n: int) -> float:
+async def merge_rates(pg: str, n: int, work: Path) -> dict[str, float]:
+    """IDs per second of what a process given a file of ``n`` shuffled new IDs does: the
+    merge (reading the file and adding its blocks to the job: the run's ``jobwide.merge``),
+    the take-in of every block (paid a block at a time by the claims while the job is
+    fetched), and the same file merged again (a rerun, or a second process given it)."""
+    import random
+
+    from asyncrawl.jobwide import merge
     from asyncrawl.pgstore import PgStore
     from asyncrawl.records import Record
+    from asyncrawl.source import IdsFile
 
+    ids = [f"item-{i:09d}" for i in range(n)]
+    random.Random(7).shuffle(ids)
+    path = work / "merge-ids.txt"
+    path.write_text("".join(f"{i}\n" for i in ids))
+    del ids
     job = f"bench-merge-{uuid.uuid4().hex[:10]}"
     store = await PgStore.open(pg, job)
+    rates: dict[str, float] = {}
     try:
         store.commit([Record("run", extra={"version": "bench", "pid": os.getpid(), "job": None})])
-        ids = [f"item-{i:09d}" for i in range(n)]
-        t0 = time.perf_counter()
-        for i in range(0, n, 100_000):
-            await store.merge(ids[i:i + 100_000])
-        return n / (time.perf_counter() - t0)
+        for what in ("merge", "take in", "merge again"):
+            t0 = time.perf_counter()
+            if what == "take in":
+                assert await store.take_in() == n
+            else:
+                given, _ = await merge(store, IdsFile(str(path)))
+                assert given == n
+            rates[what] = n / (time.perf_counter() - t0)
+        return rates
     finally:
         await store.close()
         drop_job(pg, job)
@@ -135,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     todo = set(args.scenarios.split(","))
     if "merge" in todo:
-        print(f"merge: {asyncio.run(merge_rate(args.pg, args.merge_ids)):,.0f} IDs/s "
-              f"({args.merge_ids:,} IDs, batches of 100,000)")
+        rates = asyncio.run(merge_rates(args.pg, args.merge_ids, work))
+        print(f"merge of {args.merge_ids:,} shuffled IDs from a file: " + ", ".join(
+            f"{what} {rate:,.0f} IDs/s" for what, rate in rates.items()))
     if "scaling" in todo:
         scaling(args, work, ids)
     if "rate" in todo:

@@ -316,11 +316,13 @@ asyncio.run(main())
 """
 
 
-def test_merge_is_idempotent_and_fast_enough(job: str) -> None:
-    """Merging IDs into a job: the same ones twice add nothing (the rate is in bench/); a run
-    whose IDs the job partly has (another run's, a duplicate in its own chunk) adds only the
-    new ones, whether its plain insert of all-new IDs meets them first or not."""
-    from asyncrawl.pgstore import PgStore
+def test_merge_is_idempotent_and_its_ids_are_taken_in_once(job: str) -> None:
+    """Merging IDs into a job: blocks the job has already (the same IDs merged again) add
+    nothing (the rate is in bench/); blocks that overlap the job's IDs (another run's, a
+    rerun's extended file, an ID twice in one chunk) add only the IDs it lacks once taken in,
+    whether a plain insert of all-new IDs meets them first or not. Two runs claiming at once
+    take each ID in once and claim it once, and the counts know the IDs not taken in yet."""
+    from asyncrawl.pgstore import BLOCK, PgStore
     from asyncrawl.records import Record
 
     async def opened() -> PgStore:
@@ -328,23 +330,47 @@ def test_merge_is_idempotent_and_fast_enough(job: str) -> None:
         store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
         return store
 
-    async def go() -> tuple[int, ...]:
+    open_blocks = "SELECT count(*) FROM asyncrawl_blocks WHERE job = %s AND ids IS NOT NULL"
+
+    async def drain(store: PgStore) -> list[str]:
+        """Claim until nothing is left to claim or take in (a claim finds nothing while the
+        other run takes in the last block: it asks again)."""
+        got: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            batch = await store.claim(1, 700)
+            got += [row[0] for row in batch]
+            if not batch and not pg_rows(open_blocks, job)[0][0]:
+                break
+            await asyncio.sleep(0)
+        return got
+
+    async def go() -> tuple[tuple[int, ...], int, list[str], list[str]]:
         store, other = await opened(), await opened()
         try:
-            a = await store.merge([f"m{i}" for i in range(20_000)])
-            b = await store.merge([f"m{i}" for i in range(10_000, 30_000)])
+            a = await store.merge([f"m{i}" for i in range(2 * BLOCK)])
+            again = await store.merge([f"m{i}" for i in range(2 * BLOCK)])
+            b = await store.merge([f"m{i}" for i in range(BLOCK, 3 * BLOCK)])
             c = await store.merge(["m1", "new-1", "new-1"])
-            # another run: its first chunk overlaps the job's IDs at its end only
-            d = await other.merge([f"o{i}" for i in range(5_000)] + ["m29999"])
+            # another run: its first block overlaps the job's IDs at its end only
+            d = await other.merge([f"o{i}" for i in range(5_000)] + [f"m{3 * BLOCK - 1}"])
             e = await other.merge(["new-2", "new-2"])
-            return a, b, c, d, e
+            pending = (await store.run_counts()).pending
+            mine, theirs = await asyncio.gather(drain(store), drain(other))
+            return (a, again, b, c, d, e), pending, mine, theirs
         finally:
             await store.close()
             await other.close()
 
-    assert asyncio.run(go()) == (20_000, 10_000, 1, 5_000, 1)
+    added, pending, mine, theirs = asyncio.run(go())
+    assert added == (2 * BLOCK, 0, BLOCK, 3, 5_001, 2)  # (m10000… is a block the job has)
+    every = {f"m{i}" for i in range(3 * BLOCK)} | {f"o{i}" for i in range(5_000)} \
+        | {"new-1", "new-2"}
+    assert pending == len(every)
+    assert sorted(mine + theirs) == sorted(every)  # each claimed once, none lost
     assert pg_rows("SELECT count(*), count(DISTINCT id) FROM asyncrawl_items WHERE job = %s",
-                   job) == [(35_002, 35_002)]
+                   job) == [(len(every), len(every))]
+    assert pg_rows(open_blocks, job) == [(0,)]
 
 
 def test_the_readme_commands_for_several_machines_run(tmp_path: Path, job: str,
@@ -501,6 +527,7 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
         try:
             store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
             await store.merge(["a", "b"])
+            assert await store.take_in() == 2
             other = psycopg.connect(PG)  # a transaction that locks b, then wants a
             other.execute("UPDATE asyncrawl_items SET sends = sends WHERE job = %s AND id = 'b'",
                           (job,))
@@ -849,6 +876,10 @@ def test_a_fresh_database_gets_the_whole_schema() -> None:
             await store.close()
 
     try:
+        assert asyncio.run(go()) == 2
+        # a database of a release before the blocks: the next run adds them
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"DROP TABLE {schema}.asyncrawl_blocks")
         assert asyncio.run(go()) == 2
         with psycopg.connect(PG) as db:
             tables = {r[0] for r in db.execute(
