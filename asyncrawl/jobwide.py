@@ -74,6 +74,8 @@ async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[]
         if batch:
             yield batch
             continue
+        if store.taking_in:  # blocks of IDs the job had, taken in: more are to be, at once
+            continue
         if merging() or await store.pass_left(pass_no):
             await asyncio.sleep(HEARTBEAT)  # more may come, or another run's leases run out
             continue

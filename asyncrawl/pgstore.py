@@ -105,6 +105,7 @@ JOB_TABLES = ("asyncrawl_items", "asyncrawl_blocks", "asyncrawl_runs", "asyncraw
 NOW = "extract(epoch from clock_timestamp())::float8"
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 BLOCK = 10_000  # IDs in a block of a merge: a row of asyncrawl_blocks, taken in at once
+TAKE_IN_FOR = 1.0  # seconds a claim may spend taking in blocks before it answers
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS asyncrawl_jobs (
@@ -212,6 +213,20 @@ WHERE (i.state IS NULL OR i.state IN ('failed', 'perm'))
 RETURNING i.id
 """
 
+# The take-in of a block (see ``PgStore._take_in``): the job's oldest block not taken in that no
+# other run is taking in, its IDs inserted in key order, the block marked taken in; (blocks
+# found, IDs new to the job).
+TAKE_IN = """
+WITH b AS (SELECT digest, ids FROM asyncrawl_blocks WHERE job = %(job)s AND ids IS NOT NULL
+           ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED),
+     added AS (INSERT INTO asyncrawl_items (job, id, generation)
+               SELECT %(job)s, x, %(gen)s FROM b, unnest(b.ids) AS x ORDER BY x {conflict}
+               RETURNING 1),
+     taken AS (UPDATE asyncrawl_blocks SET ids = NULL
+               WHERE job = %(job)s AND digest IN (SELECT digest FROM b) RETURNING 1)
+SELECT (SELECT count(*) FROM taken), (SELECT count(*) FROM added)
+"""
+
 
 def _add_calls(table: str, what: str) -> str:
     """Add a batch's calls of this run to ``table`` (by endpoint, or by key)."""
@@ -274,6 +289,7 @@ class PgStore:
         self._run: int | None = None
         self._gen = 0
         self._merge_plain = True  # every ID taken in so far was new to the job (see _take_in)
+        self.taking_in = False  # the last claim stopped with blocks left to take in
         self._started = 0.0
         self._endpoint = ""
         self._dead = False
@@ -464,7 +480,9 @@ class PgStore:
         """One transaction: the chunk's blocks that the job does not have yet, a row each (the
         IDs as one array, sent in binary: no per-ID statement, no per-ID index entry)."""
         blocks = [ids[i:i + BLOCK] for i in range(0, len(ids), BLOCK)]
-        rows = [(self.job_name, _digest(block), len(block), block) for block in blocks]
+        # in the digests' order: two runs merging the same blocks (a file, in another order)
+        # lock them in one order, never in a cycle
+        rows = sorted((self.job_name, _digest(block), len(block), block) for block in blocks)
         with self._db("work", "add IDs to the job") as db, db.transaction():
             cur = db.cursor()
             cur.executemany("INSERT INTO asyncrawl_blocks (job, digest, n, ids) "
@@ -489,37 +507,27 @@ class PgStore:
 
     def _take_in(self, db: Any) -> int | None:
         """Expand the job's oldest block not yet taken in (and not being taken in by another
-        run) into item rows, in one transaction: how many IDs were new to the job (``None``:
-        no block to take in).
+        run) into item rows: how many IDs were new to the job (``None``: no block to take in).
 
-        While every ID taken in so far was new, a plain ``INSERT`` (in a savepoint): ~1.4 × as
-        fast as ``ON CONFLICT DO NOTHING``, whose speculative insertion probes the primary key
-        twice a row. The first ID the job already has (a rerun's file merged in other blocks,
-        an ID in two blocks or twice in one) rolls that insert back, and this block and every
-        later one go in with ``ON CONFLICT DO NOTHING``. Rows go in key order: two runs taking
-        in blocks that share IDs wait for each other in one order, never in a cycle."""
-        with db.transaction():
-            row = db.execute("SELECT digest FROM asyncrawl_blocks WHERE job = %s AND ids IS NOT "
-                             "NULL ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED",
-                             (self.job_name,)).fetchone()
-            if row is None:
-                return None
-            args = {"job": self.job_name, "gen": self._gen, "digest": row[0]}
-            insert = ("INSERT INTO asyncrawl_items (job, id, generation) "
-                      "SELECT %(job)s, x, %(gen)s FROM asyncrawl_blocks b, unnest(b.ids) AS x "
-                      "WHERE b.job = %(job)s AND b.digest = %(digest)s ORDER BY x")
-            added = None
-            if self._merge_plain:
-                try:
-                    with db.transaction():  # a savepoint
-                        added = db.execute(insert, args).rowcount
-                except _psycopg().errors.UniqueViolation:
-                    self._merge_plain = False
-            if added is None:
-                added = db.execute(insert + " ON CONFLICT DO NOTHING", args).rowcount
-            db.execute("UPDATE asyncrawl_blocks SET ids = NULL WHERE job = %(job)s AND "
-                       "digest = %(digest)s", args)
-        return added
+        One statement (``TAKE_IN``), committed by itself: a process that stops in the middle
+        (SIGSTOP, a host gone) holds no block locked in an open transaction. While every ID
+        taken in so far was new, a plain ``INSERT``: ~1.4 × as fast as ``ON CONFLICT DO
+        NOTHING``, whose speculative insertion probes the primary key twice a row. The first ID
+        the job already has (a rerun's file merged in other blocks, an ID in two blocks or
+        twice in one) fails that statement as a whole, and this block and every later one go
+        in with ``ON CONFLICT DO NOTHING``. Rows go in key order: two runs taking in blocks
+        that share IDs wait for each other in one order, never in a cycle."""
+        args = {"job": self.job_name, "gen": self._gen}
+        row = None
+        if self._merge_plain:
+            try:
+                row = db.execute(TAKE_IN.format(conflict=""), args).fetchone()
+            except _psycopg().errors.UniqueViolation:
+                self._merge_plain = False
+        if row is None:
+            row = db.execute(TAKE_IN.format(conflict="ON CONFLICT DO NOTHING"), args).fetchone()
+        blocks, added = row
+        return int(added) if blocks else None
 
     async def set_merging(self, merging: bool) -> None:
         """Say whether this run is still adding IDs (the job's pass 1 waits for every merge)."""
@@ -539,10 +547,14 @@ class PgStore:
     def _claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, int | None,
                                                           str | None, int]]:
         """Claim up to ``n``; in pass 1, while that is not ``n``, take in a block of the job
-        and claim the rest (a block another run is taking in is left to it: ``pass_left``
-        says there is work, and the run asks again)."""
+        and claim the rest, for up to ``TAKE_IN_FOR`` seconds (blocks of IDs the job has
+        settled already, a rerun's edited file, may take long: ``taking_in`` says the claim
+        stopped with blocks left, to be asked again at once). A block another run is taking
+        in is left to it: ``pass_left`` says there is work, and the run asks again."""
+        self.taking_in = False
         with self._db("work", "claim IDs") as db:
             rows = self._claim_open(db, pass_no, n)
+            until = time.monotonic() + TAKE_IN_FOR
             while pass_no == 1 and len(rows) < n:
                 added = self._try_take_in(db)
                 if added is None:
@@ -550,6 +562,9 @@ class PgStore:
                 more = self._claim_open(db, pass_no, n - len(rows))
                 rows += more
                 if added and not more:  # taken by other runs meanwhile, or this run ended
+                    break
+                if len(rows) < n and time.monotonic() >= until:
+                    self.taking_in = True
                     break
         return rows
 
@@ -766,15 +781,16 @@ class PgStore:
         """The job's IDs by state (a shared job's summary is the job's); pending includes the
         IDs of blocks not taken in yet that the job does not have otherwise."""
         def go() -> Counts:
-            with self._db("work", "read the job") as db:
-                by = dict(db.execute("SELECT coalesce(state, 'pending'), count(*) FROM "
-                                     "asyncrawl_items WHERE job = %s GROUP BY 1",
-                                     (self.job_name,)).fetchall())
-                by["pending"] = by.get("pending", 0) + db.execute(
-                    "SELECT count(DISTINCT x) FROM asyncrawl_blocks b, unnest(b.ids) AS x "
-                    "WHERE b.job = %(job)s AND b.ids IS NOT NULL AND NOT EXISTS (SELECT 1 "
-                    "FROM asyncrawl_items i WHERE i.job = %(job)s AND i.id = x)",
-                    {"job": self.job_name}).fetchone()[0]
+            with self._db("work", "read the job") as db:  # (one statement: one snapshot)
+                by = Counter[str]()
+                for state, n in db.execute(
+                        "SELECT coalesce(state, 'pending'), count(*) FROM asyncrawl_items "
+                        "WHERE job = %(job)s GROUP BY 1 UNION ALL "
+                        "SELECT 'pending', count(DISTINCT x) FROM asyncrawl_blocks b, "
+                        "unnest(b.ids) AS x WHERE b.job = %(job)s AND b.ids IS NOT NULL AND "
+                        "NOT EXISTS (SELECT 1 FROM asyncrawl_items i WHERE i.job = %(job)s "
+                        "AND i.id = x)", {"job": self.job_name}):
+                    by[state] += n
             return Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
                           unavailable=by.get("unavailable", 0), pending=by.get("pending", 0))
         return await asyncio.to_thread(go)
