@@ -415,7 +415,7 @@ def test_a_claim_that_meets_blocks_the_job_has_settled_answers_in_time(
             await store.merge(old)
             await store.take_in()
             pg_rows("UPDATE asyncrawl_items SET state = 'ok' WHERE job = %s RETURNING 1", job)
-            await store.merge(old[1:] + ["new-1", "new-2"])  # its first line gone: new blocks
+            await store.merge([*old[1:], "new-1", "new-2"])  # its first line gone: new blocks
             first = await store.claim(1, 10)
             pending = store.taking_in
             got = []
