@@ -47,7 +47,10 @@ class RateController:
       share`` (or the answers accepted in the second before the episode, if more), a sharp
       estimate; otherwise (a burst at the start, or right after a pause, when
       a windowed quota lets through more than it sustains) only the accepted answers per
-      wall-clock second are trusted, a low estimate not kept as the ceiling (and a lone 429,
+      wall-clock second are trusted, a low estimate not kept as the ceiling, or, if higher,
+      the rate less the share of 429s among the episode's answers (while the sending ramps
+      up, the first is far below any quota: a few per-item 429s at 1,500 req/s cut it to
+      267 before this; a quota far below the rate shows as a large share) (and a lone 429,
       the first in five seconds, is too little to go on: the rate only drops 5%). The rate becomes
       ``min(0.95 × rate, 0.97 × q)`` (``0.95 × q`` for a low estimate), at least a tenth of
       the rate.
@@ -260,7 +263,12 @@ class RateController:
             # estimate from; back off a little (a real quota overrun brings many at once).
             target = 0.95 * self.rate
         else:
-            quota = self._accepted / wall
+            # What came back per second of wall-clock time: low at the start (the sending was
+            # ramping up) or after a pause. The share of 429s among the episode's answers says
+            # how far over a quota the job is (1 - quota / rate, once a saved burst is spent):
+            # a few per-item 429s among many answers are no evidence of a quota far below.
+            shown = self.rate * (1 - self._limited / max(self._episode_answers, self._limited))
+            quota = max(self._accepted / wall, shown)
             self.ceiling = None
             target = 0.95 * quota
         rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))

@@ -13,7 +13,9 @@ the job's signals reach this run.
 * ``heartbeat`` runs beside the passes: it keeps this run's leases, and brings the job into
   the run: a halt published by another run stops this one (exit 3, no second alert); a
   pause (429 with Retry-After) seen anywhere holds this run's requests too; this run takes
-  ``1 / live runs`` of the job's rate and burst. This run's own fatal halt and pauses are
+  ``1 / runs at work`` of the job's rate and burst (a run that waits for work and holds none
+  is idle: not counted, so that the runs at work use the whole rate; given work again, it
+  re-joins before it sends). This run's own fatal halt and pauses are
   published for the others. The adaptive rate and the breaker act job-wide too: a cut of
   any run's rate (a quota found) is published as the job's rate, and every run takes its
   share of it; while any run's breaker is open (an outage), that run probes and the others
@@ -63,35 +65,48 @@ async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> t
 
 
 async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],
-                  batch_size: int) -> AsyncIterator[list[tuple[str, str | None, int | None,
-                                                              str | None, int]]]:
+                  batch_size: int, heartbeat: Heartbeat | None = None
+                  ) -> AsyncIterator[list[tuple[str, str | None, int | None, str | None, int]]]:
     """Batches of ``(id, state, status, error, tries)`` leased from the job for the pass,
     until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
     ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that
-    other runs could be fetching."""
-    while not stop.is_set():
-        batch = await store.claim(pass_no, batch_size)
-        if batch:
-            yield batch
-            continue
-        if store.taking_in:  # blocks of IDs the job had, taken in: more are to be, at once
-            continue
-        if merging() or await store.pass_left(pass_no):
-            await asyncio.sleep(HEARTBEAT)  # more may come, or another run's leases run out
-            continue
-        return
+    other runs could be fetching. ``heartbeat``: told when the run waits for work, and when it
+    has work again (it re-joins first if it was published idle)."""
+    try:
+        while not stop.is_set():
+            batch = await store.claim(pass_no, batch_size)
+            if batch:
+                if heartbeat is not None:
+                    await heartbeat.at_work()
+                yield batch
+                continue
+            if store.taking_in:  # blocks of IDs the job had, taken in: more are to be, at once
+                continue
+            if merging() or await store.pass_left(pass_no):
+                if heartbeat is not None:
+                    heartbeat.waiting = True
+                await asyncio.sleep(HEARTBEAT)  # more may come, or another run's leases run out
+                continue
+            return
+    finally:
+        if heartbeat is not None:
+            heartbeat.waiting = True  # nothing more to claim in this pass
 
 
 class Heartbeat:
     """The run's side of the job's signals (see the module's docstring)."""
 
-    def __init__(self, store: PgStore, stop: Stop, governor: Callable[[], Governor | None]
-                 ) -> None:
+    def __init__(self, store: PgStore, stop: Stop, governor: Callable[[], Governor | None],
+                 holding: Callable[[], bool] = lambda: False) -> None:
         self.store = store
         self.stop = stop
         self.governor = governor
+        self.holding = holding  # the run's workers hold IDs (queued, in flight, parked)
+        self.waiting = False  # the run's producer waits for work (claims find none)
         self.halted_elsewhere = False  # another run's halt came first: it sends the alerts
         self.live = 1
+        self._published_idle = False
+        self._beating = asyncio.Lock()  # one beat at a time: the last says whether it is idle
         self._published_halt = False
         self._published_pause = 0.0  # the loop's time until which our pause is published
         self._published_cuts = 0  # cuts of our adaptive rate published to the job
@@ -121,7 +136,19 @@ class Heartbeat:
                 self.halted_elsewhere = True
             self._published_halt = True
 
+    async def at_work(self) -> None:
+        """The run has work again: if it was published idle, the other runs took its share
+        of the rate, so it re-joins (``join``) before it sends."""
+        self.waiting = False
+        if self._published_idle:
+            log.info("this process has work again: it takes its share of the job's rate back")
+            await self.join()
+
     async def beat(self, now: float) -> None:
+        async with self._beating:
+            await self._beat(now)
+
+    async def _beat(self, now: float) -> None:
         store, stop, gov = self.store, self.stop, self.governor()
         await self.publish()
         if gov is not None and gov.paused_until > self._published_pause + 0.05:
@@ -134,7 +161,9 @@ class Heartbeat:
         if gov is not None and (gov.breaker_open or self._breaker_published):
             self._breaker_published = gov.breaker_open
             await store.publish_breaker(BREAKER_HOLD if gov.breaker_open else None)
-        signal = await store.heartbeat()
+        idle = self.waiting and not self.holding()
+        self._published_idle = idle
+        signal = await store.heartbeat(idle)
         if signal.halt is not None and not stop.is_set():
             self.halted_elsewhere = True
             stop.set(Halt(signal.halt.reason, signal.halt.status,

@@ -22,7 +22,8 @@ job together. The job-queue pattern of pgqueuer and procrastinate:
   reported in doubt (possibly billed), exactly as on one machine;
 * **job-wide signals**, read by every heartbeat (every ``HEARTBEAT`` s): a fatal halt
   (401/402) published by one process stops all of them; a pause (429 with Retry-After) holds
-  all of them; each process takes ``1 / live processes`` of the job's rate and burst.
+  all of them; each process takes ``1 / processes at work`` of the job's rate and burst (an
+  idle one, waiting for work and holding none, is not counted).
 
 Durability: each group commit is one transaction (PostgreSQL's ``synchronous_commit = on``: a
 committed transaction is on disk). Tables (created on first use, in the connection's schema)::
@@ -87,7 +88,7 @@ HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 LATER_COLUMNS = (
     "asyncrawl_jobs.rate_cut", "asyncrawl_jobs.rate_cut_at", "asyncrawl_jobs.rate_cut_run",
     "asyncrawl_jobs.breaker_run", "asyncrawl_jobs.breaker_until", "asyncrawl_jobs.budget_gen",
-    "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live")
+    "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live", "asyncrawl_runs.idle")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
@@ -125,7 +126,8 @@ CREATE TABLE IF NOT EXISTS asyncrawl_runs (
     heartbeat double precision NOT NULL DEFAULT {NOW}, merging boolean NOT NULL DEFAULT false,
     ended double precision, error text, halt_reason text, halt_status integer, halt_message text
 );
-ALTER TABLE asyncrawl_runs ADD COLUMN IF NOT EXISTS live jsonb;
+ALTER TABLE asyncrawl_runs ADD COLUMN IF NOT EXISTS live jsonb,
+    ADD COLUMN IF NOT EXISTS idle boolean NOT NULL DEFAULT false;
 CREATE INDEX IF NOT EXISTS asyncrawl_runs_job ON asyncrawl_runs (job, ended);
 CREATE TABLE IF NOT EXISTS asyncrawl_items (
     job text NOT NULL, id text NOT NULL, state text, status integer, error text,
@@ -262,8 +264,9 @@ def safe_url(url: str) -> str:
 @dataclass(frozen=True, slots=True)
 class JobSignal:
     """What a heartbeat learns of the job: a halt published since this run started, a pause
-    (seconds left), how many runs work on it now (this one included), the latest cut of the
-    job's rate by another run, and whether another run's breaker holds the job."""
+    (seconds left), how many runs are at work on it now (this one included; idle runs not),
+    the latest cut of the job's rate by another run, and whether another run's breaker holds
+    the job."""
 
     halt: Halt | None
     pause_for: float
@@ -622,11 +625,13 @@ class PgStore:
                  "live": LIVE}).fetchone()
         return bool(row[0])
 
-    async def heartbeat(self) -> JobSignal:
-        """Extend this run's leases and liveness; read the job's halt, pause and live runs."""
-        return await asyncio.to_thread(self._heartbeat)
+    async def heartbeat(self, idle: bool = False) -> JobSignal:
+        """Extend this run's leases and liveness, and say whether it is idle (it waits for work
+        and holds none: it sends nothing, so it takes no share of the job's rate); read the
+        job's halt, pause and the runs at work."""
+        return await asyncio.to_thread(self._heartbeat, idle)
 
-    def _heartbeat(self) -> JobSignal:
+    def _heartbeat(self, idle: bool = False) -> JobSignal:
         with self._db("control", "send the heartbeat") as db:
             # Only leases half run out (the rows this run holds are not rewritten at every
             # beat), and only rows nobody has locked: a row the writer is settling at this
@@ -640,14 +645,19 @@ class PgStore:
                 WHERE i.job = %(job)s AND i.id = held.id""",
                 {"lease": self.lease, "job": self.job_name, "run": self._run,
                  "half": self.lease / 2})
-            db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW} WHERE run = %s", (self._run,))
+            db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW}, idle = %s WHERE run = %s",
+                       (idle, self._run))
+            # the runs at work share the job's rate: an idle one (it waits, holds nothing) is
+            # not counted, but by itself (if it is given work, it re-joins: ``Heartbeat``)
             (halt_gen, halt, pause_until, now, live, cut, cut_at, cut_run, breaker_run,
              breaker_until) = db.execute(f"""
                 SELECT j.halt_gen, j.halt, j.pause_until, {NOW},
                        (SELECT count(*) FROM asyncrawl_runs r WHERE r.job = j.job
-                        AND r.ended IS NULL AND r.heartbeat > {NOW} - %s),
+                        AND r.ended IS NULL AND r.heartbeat > {NOW} - %s
+                        AND (NOT r.idle OR r.run = %s)),
                        j.rate_cut, j.rate_cut_at, j.rate_cut_run, j.breaker_run, j.breaker_until
-                FROM asyncrawl_jobs j WHERE j.job = %s""", (LIVE, self.job_name)).fetchone()
+                FROM asyncrawl_jobs j WHERE j.job = %s""",
+                (LIVE, self._run, self.job_name)).fetchone()
         h = None
         if halt_gen == self._gen and halt and halt.get("run") != self._run \
                 and halt.get("at", 0.0) >= self._started:

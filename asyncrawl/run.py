@@ -181,11 +181,14 @@ class Run:
                 await self._passes(self._first_pass_ids(source, store, ident), session, writer)
             else:
                 await writer.commit(start)  # the run is registered before it claims
-                job = _Shared(shared, Heartbeat(shared, self.stop, lambda: self.governor))
+                job = _Shared(shared, Heartbeat(
+                    shared, self.stop, lambda: self.governor,
+                    holding=lambda: self._workers is not None and self._workers.holds()))
                 job.start(self._merge(shared, source))
                 await self._passes(self._claimed(job, 1, writer), session, writer,
                                    second=lambda: self._claimed(job, 2, writer),
-                                   second_left=lambda: shared.pass_left(2), shared=shared)
+                                   second_left=lambda: shared.pass_left(2), shared=shared,
+                                   again=lambda: self._claimed(job, 1, writer))
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -216,10 +219,12 @@ class Run:
                       writer: Writer,
                       second: Callable[[], AsyncIterator[Chunk]] | None = None,
                       second_left: Callable[[], Awaitable[bool]] | None = None,
-                      shared: PgStore | None = None) -> None:
+                      shared: PgStore | None = None,
+                      again: Callable[[], AsyncIterator[Chunk]] | None = None) -> None:
         """Pass 1, then, after the cool-down, pass 2 over what failed: this run's failures, or
         (``second``: a shared job's) the job's, if ``second_left()`` says there are any.
-        ``shared``: the store of a shared job (its budget is the job's)."""
+        ``shared``: the store of a shared job (its budget is the job's); ``again``: its
+        pass 1 once more, while the job has IDs for it after a pass 2."""
         cfg, hooks = self.config, self.hooks
         self._session = session
         self.governor = Governor(
@@ -234,20 +239,35 @@ class Run:
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe)
         failed = (await self._pass(1, first, fetcher, budget, writer)).failed
+        while await self._second_pass(failed, fetcher, budget, writer, second, second_left) \
+                and again is not None and shared is not None and await shared.pass_left(1):
+            # a shared job given new IDs meanwhile (a process that joined late): this run
+            # takes part in their pass 1 too, rather than end while the job has work
+            log.info("the job has new IDs (merged by another process): this one fetches them too")
+            failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
+
+    async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
+                           writer: Writer, second: Callable[[], AsyncIterator[Chunk]] | None,
+                           second_left: Callable[[], Awaitable[bool]] | None) -> bool:
+        """After the cool-down, pass 2 over what failed (see ``_passes``), if anything did;
+        whether the run goes on (it was not stopped)."""
+        cfg = self.config
         if not cfg.second_pass or self.stop.is_set():
-            return
+            return False
         if not failed and (second_left is None or not await second_left()):
-            return
+            return True
         if budget.exhausted:  # pass 2 could not send anything: no cool-down to wait out
             self.stop.set(budget_halt(budget))
-            return
+            return False
         self.cooling = True
         await _wait_first(self.stop.event, timeout=cfg.cooldown)
         self.cooling = False
-        if not self.stop.is_set():
-            self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
-            ids = second() if second is not None else self._second_pass_ids(failed, writer)
-            await self._pass(2, ids, fetcher, budget, writer)
+        if self.stop.is_set():
+            return False
+        self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
+        ids = second() if second is not None else self._second_pass_ids(failed, writer)
+        await self._pass(2, ids, fetcher, budget, writer)
+        return not self.stop.is_set()
 
     async def _close(self, writer: Writer, writer_task: asyncio.Task[None],
                      ticker: asyncio.Task[None], error: BaseException | None) -> None:
@@ -330,7 +350,8 @@ class Run:
             if pass_no == 1:
                 await job.heartbeat.join()
             size = max(64, 2 * cfg.concurrency)  # as much as the pass's queue holds
-            async for batch in claimed(job.store, pass_no, self.stop, job.merging, size):
+            async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,
+                                       job.heartbeat):
                 todo = []
                 for item, state, status, error, tries in batch:
                     if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:

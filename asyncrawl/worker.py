@@ -420,6 +420,10 @@ class Worker:
         self.ledger.settled(item, rec)
 
 
+    def holds(self) -> bool:
+        """Whether the pass holds IDs (queued, in a worker's hand, parked for a retry)."""
+        return bool(self.held or len(self.parking) or self.queue.qsize())
+
     def unsettled(self) -> list[Item]:
         """Items this pass still holds (parked, queued, in a worker's hand): after its end,
         the ones that were answered 2xx without being settled need their bill recorded."""

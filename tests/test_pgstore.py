@@ -8,6 +8,7 @@ why, only where no server answers.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import os
 import signal
@@ -23,7 +24,7 @@ import pytest
 
 from asyncrawl.records import Counts
 from asyncrawl.store import read_store
-from asyncrawl.testing import Fault, MockAPI
+from asyncrawl.testing import Fault, MockAPI, flaky_faults, no_faults
 
 from .conftest import KEY, cli, fast_config, write_config, write_ids
 
@@ -149,6 +150,51 @@ def test_three_processes_share_a_job_and_fetch_each_id_once(tmp_path: Path, job:
     out = cli("status", "--state", PG, "--job", job, "--json")
     assert out.returncode == 0, out.stderr
     assert '"ok": 3000' in out.stdout
+
+
+def test_a_process_waiting_for_its_second_pass_leaves_the_rate_to_one_at_work(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    """A process whose pass 1 is over waits out the cool-down of its failures; another joins
+    the job with new IDs: the waiting one is idle (it holds and sends nothing), so the one at
+    work takes the job's whole rate, not half of it (before: 50 of 100 req/s). When the
+    first has work again (its pass 2, then the joiner's IDs: it takes part in their pass 1
+    rather than end while the job has work, which it did with exit 6, "IDs still failed"),
+    it takes its share back before it sends: the job stays within its rate all along."""
+    mock = mock_process("--api-key", KEY, "--faults", "flaky", "--latency", "0.02")
+    rate = {"limits": {"concurrency": 32, "rate": 100, "burst": 5},
+            "passes": {"cooldown": 10}}
+    a_ids = write_ids(tmp_path / "a.txt", [f"a{i}" for i in range(200)])
+    first = _run(_config(tmp_path, mock.item_url, job, a_ids, retry={"max_tries": 1}, **rate))
+    procs = [first]
+    try:
+        # its pass 1 is over (every ID has an outcome, some failed: pass 2 after 10 s)
+        _wait_for(lambda: pg_rows("SELECT count(*) FILTER (WHERE state IS NOT NULL), "
+                                  "count(*) FILTER (WHERE state = 'failed') FROM "
+                                  "asyncrawl_items WHERE job = %s", job)[0]
+                  in [(200, n) for n in range(1, 201)], 30, "the first process's pass 1")
+        over = time.time()
+        # (IDs the flaky mix answers at once: its per-ID 429s would pause the joiner)
+        clean = [f"b{i}" for i in range(6000) if flaky_faults(f"b{i}") == no_faults(f"b{i}")]
+        b_ids = write_ids(tmp_path / "b.txt", clean[:2000])
+        procs.append(_run(_config(tmp_path, mock.item_url, job, b_ids, **rate)))
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], (outs[0][1], outs[1][1][-1500:])
+    assert "the job has new IDs" in outs[0][1]  # the first took part in the joiner's pass 1
+    log = [e for e in mock.settled_log() if e.event == "start"]
+    joiner = sorted(e.t for e in log if e.id.startswith("b"))
+    back = min(e.t for e in log if e.id.startswith("a") and e.t > over)  # its pass 2
+    t0 = joiner[0]
+    assert back > t0 + 5  # (the window below is the joiner's alone)
+    window = [t for t in joiner if t0 + 1 <= t < t0 + 5]  # 4 s, its join and first second out
+    assert len(window) >= 0.85 * 100 * 4, (len(window), outs[1][1][-2000:])
+    starts = sorted(e.t for e in log)
+    worst = max(bisect.bisect_left(starts, t + 1.0) - i for i, t in enumerate(starts))
+    assert worst <= 100 * 1.05 + 5, worst
 
 
 def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
