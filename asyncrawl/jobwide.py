@@ -174,8 +174,12 @@ class Heartbeat:
                 gov.pause(signal.pause_for)
                 self._published_pause = max(self._published_pause, gov.paused_until)
             if signal.live != gov.runs:
-                log.info("%d processes work on the job: this one takes 1/%d of its rate",
-                         signal.live, signal.live)
+                if signal.live == 1:
+                    log.info("this process is the only one at work on the job: it takes the "
+                             "job's whole rate")
+                else:
+                    log.info("%d processes are at work on the job: this one takes 1/%d of its "
+                             "rate", signal.live, signal.live)
                 gov.share(signal.live)
             if signal.rate_cut is not None and signal.rate_cut[1] > self._seen_cut:
                 self._seen_cut = signal.rate_cut[1]
