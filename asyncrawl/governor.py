@@ -267,7 +267,8 @@ class RateController:
             # ramping up) or after a pause. The share of 429s among the episode's answers says
             # how far over a quota the job is (1 - quota / rate, once a saved burst is spent):
             # a few per-item 429s among many answers are no evidence of a quota far below.
-            shown = self.rate * (1 - self._limited / max(self._episode_answers, self._limited))
+            sending = min(self.rate, self._sent / max(wall - self._paused, 0.005))
+            shown = sending * (1 - self._limited / max(self._episode_answers, self._limited))
             quota = max(self._accepted / wall, shown)
             self.ceiling = None
             target = 0.95 * quota
@@ -316,12 +317,16 @@ class RateController:
         self._last_raise = now
 
     def reshare(self, max_rate: float) -> None:
-        """A new share of a shared job's rate: unless it had slowed down to a quota, the rate
-        goes with the share. What the server was seen to take shrinks with a smaller share
-        (a larger one is not shown yet)."""
-        if max_rate < self.max_rate:
-            self._proven *= max_rate / self.max_rate
-        self.rate = max_rate if self.rate >= self.max_rate else min(self.rate, max_rate)
+        """A new share of a shared job's rate: the rate, and the quota estimate, go with the
+        share (a rate slowed down to a quota found is a share of the job's quota: a run that
+        found it alone keeps half of it when another one joins or resumes). What the server
+        was seen to take shrinks with a smaller share (a larger one is not shown yet)."""
+        f = max_rate / self.max_rate
+        if f < 1:
+            self._proven *= f
+        self.rate = max_rate if self.rate >= self.max_rate else min(max_rate, self.rate * f)
+        if self.ceiling is not None:
+            self.ceiling *= f
         self.max_rate = max_rate
 
 
@@ -601,6 +606,13 @@ class Governor:
             lane.resize(self.rate / runs / n, b, spent(lane.limiter))
         if self.limiter is not None:
             self.limiter = _bucket(burst, self.rate / runs, spent(self.limiter))
+
+    def rejoin(self) -> None:
+        """This process sends again after it was idle (it took no share of a shared job's
+        rate meanwhile, and the processes at work may have spent the job's burst): its
+        buckets are used up, as a newcomer's are (``share``)."""
+        self._sent = False
+        self.share(self.runs)
 
     def pause(self, seconds: float) -> None:
         """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""

@@ -71,13 +71,13 @@ async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[]
     until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
     ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that
     other runs could be fetching. ``heartbeat``: told when the run waits for work, and when it
-    has work again (it re-joins first if it was published idle)."""
+    has a batch again (before it sends any of it, the caller calls ``Heartbeat.at_work``)."""
     try:
         while not stop.is_set():
             batch = await store.claim(pass_no, batch_size)
             if batch:
                 if heartbeat is not None:
-                    await heartbeat.at_work()
+                    heartbeat.waiting = False
                 yield batch
                 continue
             if store.taking_in:  # blocks of IDs the job had, taken in: more are to be, at once
@@ -137,11 +137,15 @@ class Heartbeat:
             self._published_halt = True
 
     async def at_work(self) -> None:
-        """The run has work again: if it was published idle, the other runs took its share
-        of the rate, so it re-joins (``join``) before it sends."""
+        """The run has requests to send again: if it was published idle, the other runs took
+        its share of the rate (and may have spent the job's burst), so it re-joins as a
+        newcomer does (its buckets used up, then ``join``) before it sends."""
         self.waiting = False
         if self._published_idle:
             log.info("this process has work again: it takes its share of the job's rate back")
+            gov = self.governor()
+            if gov is not None:
+                gov.rejoin()
             await self.join()
 
     async def beat(self, now: float) -> None:
@@ -191,9 +195,9 @@ class Heartbeat:
                 self._published_pause = max(self._published_pause, gov.paused_until)
 
     async def join(self) -> None:
-        """Before the run's first request: take its share of the job's rate, and give the
-        runs already at work the time to take theirs (their next heartbeat), so that together
-        they never go over the job's rate."""
+        """Before the run's first request (and its first after it was idle): take its share
+        of the job's rate, and give the runs already at work the time to take theirs (their
+        next heartbeat), so that together they never go over the job's rate."""
         loop = asyncio.get_running_loop()
         await self.beat(loop.time())
         if self.live > 1:

@@ -348,6 +348,7 @@ class Run:
         cfg, history = self.config, self.history
         try:
             if pass_no == 1:
+                job.heartbeat.waiting = False  # (a later round's: not idle while it joins)
                 await job.heartbeat.join()
             size = max(64, 2 * cfg.concurrency)  # as much as the pass's queue holds
             async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,
@@ -361,6 +362,7 @@ class Run:
                         history[item] = Item(item, suspect=True)  # no evidence of an outage
                     todo.append(item)
                 if todo:
+                    await job.heartbeat.at_work()  # (re-joins first if it was idle)
                     yield todo, -1, None
         except StorageError as e:
             self._on_storage_error(e)

@@ -13,13 +13,16 @@ read consistent snapshots while it writes.
 
 Tables (``records.py`` says what each record means)::
 
-    items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt)
+    items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt,
+          payload)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
-        failed, perm, unavailable; ``data`` the ok payload as JSON (UTF-8, a blob that the
-        ``results`` view casts to text); ``sent_run`` the run
+        failed, perm, unavailable; ``payload`` the row of ``payloads`` holding the ok payload
+        (``data``: where schema 2 and before kept it, in the row); ``sent_run`` the run
         whose ``sent`` intent has no outcome yet; ``sends`` the requests ever sent for it;
         ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
         doubt and fetched ok since: possibly billed twice)
+    payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
+                                            ``results`` view casts to text), appended
     runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
     ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
     key_ledger(day, key, sent, billable)    calls by UTC date and API key fingerprint
@@ -74,14 +77,24 @@ from .types import Halt
 log = logging.getLogger("asyncrawl")
 
 DB = "state.db"
-SCHEMA_VERSION = 2  # 2: key_ledger
+SCHEMA_VERSION = 3  # 2: key_ledger; 3: payloads
+RESULTS_VIEW = """
+CREATE VIEW results AS
+    SELECT i.id, CASE i.state WHEN 'perm' THEN 'failed' ELSE i.state END AS outcome, i.status,
+           i.error, i.fetched_at, CAST(coalesce(p.data, i.data) AS TEXT) AS data
+    FROM items i LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL;
+"""
 # what a database of an earlier version needs, from the writer's first open ({from: script})
 MIGRATIONS = {1: """
 CREATE TABLE key_ledger (
     day TEXT NOT NULL, key TEXT NOT NULL, sent INTEGER NOT NULL DEFAULT 0,
     billable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (day, key)
 ) WITHOUT ROWID;
-"""}
+""", 2: """
+ALTER TABLE items ADD COLUMN payload INTEGER;
+CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
+DROP VIEW results;
+""" + RESULTS_VIEW}
 CHUNK = 900  # IDs per lookup statement
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
@@ -100,8 +113,10 @@ CREATE TABLE items (
     data BLOB,
     sent_run INTEGER,
     sends INTEGER NOT NULL DEFAULT 0,
-    doubt INTEGER
+    doubt INTEGER,
+    payload INTEGER
 );
+CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE INDEX items_open ON items (sent_run) WHERE state IS NULL OR state IN ('failed', 'perm');
 CREATE INDEX items_doubt ON items (doubt) WHERE doubt IS NOT NULL;
 CREATE TABLE runs (
@@ -126,16 +141,12 @@ WHEN OLD.state IS NOT NEW.state BEGIN
     UPDATE tally SET n = n - 1 WHERE state = OLD.state;
     UPDATE tally SET n = n + 1 WHERE state = NEW.state;
 END;
-CREATE VIEW results AS
-    SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome, status, error,
-           fetched_at, CAST(data AS TEXT) AS data
-    FROM items WHERE state IS NOT NULL;
-"""
+""" + RESULTS_VIEW
 
 # An outcome record: ok is final (the first ok record is the ID's result; later ones add
 # only their bill), and it ends the ID's open "sent" intent.
 UPSERT_OUTCOME = """
-INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, data)
+INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, payload)
 VALUES {values}
 ON CONFLICT (id) DO UPDATE SET
     state = iif(state = 'ok', 'ok', excluded.state),
@@ -144,7 +155,7 @@ ON CONFLICT (id) DO UPDATE SET
     pass = iif(state = 'ok', pass, excluded.pass),
     tries = iif(state = 'ok', tries, excluded.tries),
     fetched_at = iif(state = 'ok', fetched_at, excluded.fetched_at),
-    data = iif(state = 'ok', data, excluded.data),
+    payload = iif(state = 'ok', payload, excluded.payload),
     paid = paid + excluded.paid,
     sent_run = NULL,
     doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
@@ -195,6 +206,7 @@ class SqliteStore:
         self._dead = False
         self._frontier_ok = False  # the run reads the job's one IDs file: keep its frontier
         self._day = (-1, "")  # (days since the epoch, UTC date) of the last record applied
+        self._next_payload: int | None = None  # the number of the next payload row written
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
         self.job: dict[str, Any] | None = self._meta_json("job")
@@ -456,7 +468,7 @@ class SqliteStore:
         if g.sent:
             _many(self._db, UPSERT_SENT, g.sent)
         if g.outcomes:
-            _many(self._db, UPSERT_OUTCOME, g.outcomes)
+            _many(self._db, UPSERT_OUTCOME, self._store_payloads(g.outcomes))
         if g.billed:
             self._db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
         if g.ledger:
@@ -465,6 +477,41 @@ class SqliteStore:
             _many(self._db, ADD_KEY_LEDGER, call_rows(g.keys))
         for rec in g.last:
             self._end_run(rec)
+
+    def _store_payloads(self, outcomes: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """The outcome rows, each ok payload stored apart: a row of ``payloads`` (appended,
+        so its pages fill to the brim, where a payload written into its item's row, which
+        the intent made small, split pages and left them half empty: 202 bytes an ID beyond
+        a 995-byte payload, now about half that) and the item row holding its number. Only
+        an ID's first ok keeps its payload: none is stored for one the ID already has."""
+        db = self._db
+        want = [row[0] for row in outcomes if row[8] is not None]
+        if not want:
+            return outcomes
+        done: set[str] = set()
+        for i in range(0, len(want), CHUNK):
+            part = want[i:i + CHUNK]
+            done.update(r[0] for r in db.execute(
+                f"SELECT id FROM items WHERE state = 'ok' AND id IN ({','.join('?' * len(part))})",
+                part))
+        if self._next_payload is None:
+            self._next_payload = db.execute(
+                "SELECT coalesce(max(id), 0) + 1 FROM payloads").fetchone()[0]
+        n = self._next_payload
+        rows: list[tuple[Any, ...]] = []
+        stored: list[tuple[int, bytes]] = []
+        for row in outcomes:
+            if row[8] is None or row[0] in done:
+                rows.append((*row[:8], None))
+                continue
+            done.add(row[0])
+            stored.append((n, row[8]))
+            rows.append((*row[:8], n))
+            n += 1
+        if stored:
+            _many(db, "INSERT INTO payloads (id, data) VALUES {values}", stored)
+        self._next_payload = n
+        return rows
 
     def _start_run(self, rec: Record) -> None:
         _close_open_intents(self._db)  # (a no-op but in an imported journal's crashed runs)
@@ -550,10 +597,15 @@ class SqliteStore:
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = EXPORT_STATES[outcome]
+        # (a payload is in ``payloads``, or in its item's row in a database of schema 2 or
+        # before, upgraded or not)
+        data = "coalesce(p.data, i.data)" if self._version >= 3 else "i.data"
+        join = "LEFT JOIN payloads p ON p.id = i.payload" if self._version >= 3 else ""
         with self._reading():
             rows = self._db.execute(
-                "SELECT id, state, status, error, pass, tries, paid, fetched_at, data FROM items "
-                f"WHERE state IN ({','.join('?' * len(want))}) ORDER BY rowid", want)
+                f"SELECT i.id, i.state, i.status, i.error, i.pass, i.tries, i.paid, i.fetched_at, "
+                f"{data} FROM items i {join} WHERE i.state IN ({','.join('?' * len(want))}) "
+                "ORDER BY i.rowid", want)
             make = tuple.__new__  # (Record's keyword constructor costs more than the row)
             for item, state, status, error, pass_no, tries, paid, ts, data in rows:
                 yield make(Record, ("failed" if state == "perm" else state, item, status, error,

@@ -129,3 +129,27 @@ def outcomes_of(state: Path) -> dict[str, str]:
 def sends_of(state: Path) -> dict[str, int]:
     """ID -> requests recorded sent for it (each one's ``sent`` intent was durable first)."""
     return dict(db_rows(state, "SELECT id, sends FROM items WHERE sends > 0"))  # type: ignore[arg-type]
+
+
+def as_schema_2(db_path: Path) -> None:
+    """Make a state database of this release one of schema 2 (payloads in the item rows, no
+    ``payloads`` table), as the release before 3 left it."""
+    import sqlite3
+
+    db = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        db.executescript("""
+            BEGIN IMMEDIATE;
+            UPDATE items SET data = (SELECT p.data FROM payloads p WHERE p.id = items.payload)
+                WHERE payload IS NOT NULL;
+            DROP VIEW results;
+            ALTER TABLE items DROP COLUMN payload;
+            DROP TABLE payloads;
+            CREATE VIEW results AS
+                SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome,
+                       status, error, fetched_at, CAST(data AS TEXT) AS data
+                FROM items WHERE state IS NOT NULL;
+            PRAGMA user_version = 2;
+            COMMIT;""")
+    finally:
+        db.close()

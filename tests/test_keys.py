@@ -20,7 +20,7 @@ from asyncrawl import Config, ConfigError, Crawler
 from asyncrawl.config import key_fingerprint
 from asyncrawl.report import status
 
-from .conftest import cli, write_config, write_ids
+from .conftest import as_schema_2, cli, write_config, write_ids
 
 GOOD1, BAD, GOOD2 = "key-one-a1b2c3d4", "key-revoked-e5f6", "key-two-0a9b8c7d"
 
@@ -213,6 +213,7 @@ async def test_a_state_of_schema_1_is_upgraded_on_open(keyed: Any, tmp_path: Pat
     cfg = config(base, tmp_path, keys=[GOOD1, GOOD2])
     async with Crawler(cfg) as c:
         await c.run(["a", "b"])
+    as_schema_2(tmp_path / "state" / "state.db")
     db = sqlite3.connect(tmp_path / "state" / "state.db")  # as the release before keys made it
     db.executescript("DROP TABLE key_ledger; PRAGMA user_version = 1;")
     db.close()
@@ -221,7 +222,7 @@ async def test_a_state_of_schema_1_is_upgraded_on_open(keyed: Any, tmp_path: Pat
         s = await c.run(["a", "b", "c"])
     assert s.ok == 3
     db = sqlite3.connect(tmp_path / "state" / "state.db")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
     db.close()
     assert sum(r["sent"] for r in status(cfg)["keys"]) == 1  # only "c" was sent since
 

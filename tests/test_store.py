@@ -22,7 +22,7 @@ from asyncrawl.sqlstore import DB
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import Writer
 
-from .conftest import db_rows, outcomes_of, sends_of
+from .conftest import as_schema_2, db_rows, outcomes_of, sends_of
 
 TS = 1_700_000_000.0  # 2023-11-14 UTC
 JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
@@ -115,6 +115,44 @@ async def test_ok_is_final_and_later_bills_still_count(tmp_path: Path) -> None:
     assert snap.counts == Counts(ok=1, failed=0, unavailable=1)  # the tally follows every change
     assert snap.billable == 1 + 1 + 2
     assert db_rows(state, "SELECT paid FROM items WHERE id = 'a'") == [(2,)]
+
+
+async def test_payloads_are_stored_apart_once_per_id(tmp_path: Path) -> None:
+    """Each ok payload is a row of ``payloads``, the item's row holds its number; a second ok
+    of an ID (in the same batch or a later one) stores nothing, so no payload row is left
+    that no item holds; the ``results`` view and exports read it back."""
+    state = tmp_path / "state"
+    await committed(state, RECORDS, [
+        Record("ok", "a", status=200, data={"second": True}, paid=1, ts=TS),
+        Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS),
+        Record("ok", "e", status=200, data={"e": 2}, paid=1, ts=TS),
+    ])
+    assert db_rows(state, "SELECT count(*), count(DISTINCT payload) FROM items WHERE "
+                          "payload IS NOT NULL AND payload IN (SELECT id FROM payloads)") \
+        == [(3, 3)]
+    assert db_rows(state, "SELECT count(*) FROM payloads") == [(3,)]  # a, d/ü, e: none orphaned
+    assert db_rows(state, "SELECT data FROM results WHERE id = 'e'") == [('{"e":1}',)]
+    ok = {r.id: r.payload for r in read_store(state).records("ok")}
+    assert ok == {"a": {"title": "Ünïcode ☃", "n": 1}, "d/ü": {"x": [1, "two", None]},
+                  "e": {"e": 1}}
+
+
+async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> None:
+    """A state of the release before (payloads in the item rows): read as it is, upgraded by
+    the next run's open (its payloads stay where they are), new payloads stored apart."""
+    state = tmp_path / "state"
+    await committed(state, RECORDS)
+    as_schema_2(state / DB)
+    assert next(read_store(state).records("ok")).payload == {"title": "Ünïcode ☃", "n": 1}
+    await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
+                            Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS)])
+    assert db_rows(state, "PRAGMA user_version") == [(3,)]
+    ok = {r.id: r.payload for r in read_store(state).records("ok")}
+    assert ok == {"a": {"title": "Ünïcode ☃", "n": 1}, "d/ü": {"x": [1, "two", None]},
+                  "e": {"e": 1}}
+    assert db_rows(state, "SELECT id, data FROM results WHERE outcome = 'ok' ORDER BY id") == [
+        ("a", '{"title":"Ünïcode ☃","n":1}'), ("d/ü", '{"x": [1, "two", null]}'),
+        ("e", '{"e":1}')]
 
 
 async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
