@@ -197,6 +197,61 @@ def test_a_process_waiting_for_its_second_pass_leaves_the_rate_to_one_at_work(
     assert worst <= 100 * 1.05 + 5, worst
 
 
+def test_two_idle_processes_resuming_together_keep_to_the_job_s_rate(job: str) -> None:
+    """Two processes of a job, both idle (both waiting out the cool-down before pass 2): each
+    sees itself alone at work and takes the whole job's rate and burst, its bucket filling
+    while it sends nothing. Both given work 50 ms apart: a process that resumes re-joins as a
+    newcomer does (its buckets used up, then its share), so together they keep to rate x 1.05
+    + burst in any 1 s (rate 100, burst 100: 219-233 starts before, against 205)."""
+    from asyncrawl.governor import Governor
+    from asyncrawl.jobwide import Heartbeat
+    from asyncrawl.worker import Stop
+
+    rate, burst = 100.0, 100
+
+    async def go() -> list[float]:
+        loop = asyncio.get_running_loop()
+        stores = [await _run_of(job, pid) for pid in (1, 2)]
+        govs = [Governor(rate=rate, burst=burst, adaptive=False) for _ in stores]
+        beats = [Heartbeat(s, Stop(), (lambda g=g: g)) for s, g in zip(stores, govs, strict=True)]
+        for h, g in zip(beats, govs, strict=True):
+            await h.join()
+            g._sent = True  # (both at work a while: their buckets spent as they send)
+        tasks = [asyncio.create_task(h.run()) for h in beats]
+        starts: list[float] = []
+        try:
+            await asyncio.sleep(0.5)
+            for h in beats:
+                h.waiting = True  # pass 1 over: the cool-down, idle
+            # until each has published itself idle and seen the other so (whole buckets)
+            deadline = loop.time() + 10
+            while any(g.runs != 1 for g in govs):
+                assert loop.time() < deadline, [g.runs for g in govs]
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)  # their buckets fill
+
+            async def send(h: Heartbeat, g: Governor, delay: float) -> None:
+                await asyncio.sleep(delay)
+                await h.at_work()  # a batch claimed: re-join first
+                end = loop.time() + 3.0
+                while loop.time() < end:
+                    await g.acquire()
+                    starts.append(loop.time())
+
+            await asyncio.gather(send(beats[0], govs[0], 0.0), send(beats[1], govs[1], 0.05))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in stores:
+                await s.close()
+        return sorted(starts)
+
+    starts = asyncio.run(go())
+    worst = max(bisect.bisect_left(starts, t + 1.0) - i for i, t in enumerate(starts))
+    assert worst <= rate * 1.05 + burst, worst
+
+
 def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
         tmp_path: Path, job: str, mock_process: Any) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
