@@ -70,14 +70,12 @@ async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[]
     """Batches of ``(id, state, status, error, tries)`` leased from the job for the pass,
     until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
     ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that
-    other runs could be fetching. ``heartbeat``: told when the run waits for work, and when it
-    has a batch again (before it sends any of it, the caller calls ``Heartbeat.at_work``)."""
+    other runs could be fetching. ``heartbeat``: told when the run waits for work (before it
+    sends again, the caller calls ``Heartbeat.at_work``)."""
     try:
         while not stop.is_set():
             batch = await store.claim(pass_no, batch_size)
             if batch:
-                if heartbeat is not None:
-                    heartbeat.waiting = False
                 yield batch
                 continue
             if store.taking_in:  # blocks of IDs the job had, taken in: more are to be, at once
@@ -198,6 +196,7 @@ class Heartbeat:
         """Before the run's first request (and its first after it was idle): take its share
         of the job's rate, and give the runs already at work the time to take theirs (their
         next heartbeat), so that together they never go over the job's rate."""
+        self.waiting = False
         loop = asyncio.get_running_loop()
         await self.beat(loop.time())
         if self.live > 1:

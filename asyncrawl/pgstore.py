@@ -291,7 +291,7 @@ class PgStore:
         self._conns = conns  # "writer" (the writer's thread), "work" (claims), "control"
         self._run: int | None = None
         self._gen = 0
-        self._merge_plain = True  # every ID taken in so far was new to the job (see _take_in)
+        self._take_in_plain = True  # every ID taken in so far was new to the job (see _take_in)
         self.taking_in = False  # the last claim stopped with blocks left to take in
         self._started = 0.0
         self._endpoint = ""
@@ -522,11 +522,11 @@ class PgStore:
         that share IDs wait for each other in one order, never in a cycle."""
         args = {"job": self.job_name, "gen": self._gen}
         row = None
-        if self._merge_plain:
+        if self._take_in_plain:
             try:
                 row = db.execute(TAKE_IN.format(conflict=""), args).fetchone()
             except _psycopg().errors.UniqueViolation:
-                self._merge_plain = False
+                self._take_in_plain = False
         if row is None:
             row = db.execute(TAKE_IN.format(conflict="ON CONFLICT DO NOTHING"), args).fetchone()
         blocks, added = row

@@ -348,7 +348,6 @@ class Run:
         cfg, history = self.config, self.history
         try:
             if pass_no == 1:
-                job.heartbeat.waiting = False  # (a later round's: not idle while it joins)
                 await job.heartbeat.join()
             size = max(64, 2 * cfg.concurrency)  # as much as the pass's queue holds
             async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,

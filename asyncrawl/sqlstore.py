@@ -318,15 +318,8 @@ class SqliteStore:
         return await asyncio.to_thread(self._lookup, list(ids))
 
     def _lookup(self, ids: list[str]) -> dict[str, str]:
-        db = self._reader or self._db
-        out: dict[str, str] = {}
         with self._reading():
-            for i in range(0, len(ids), CHUNK):
-                part = ids[i:i + CHUNK]
-                out.update(db.execute(
-                    "SELECT id, state FROM items WHERE state IS NOT NULL AND id IN "
-                    f"({','.join('?' * len(part))})", part))
-        return out
+            return _states(self._reader or self._db, ids)
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """Of a chunk of this run's IDs, those it has not seen before, in order, with their
@@ -488,12 +481,7 @@ class SqliteStore:
         want = [row[0] for row in outcomes if row[8] is not None]
         if not want:
             return outcomes
-        done: set[str] = set()
-        for i in range(0, len(want), CHUNK):
-            part = want[i:i + CHUNK]
-            done.update(r[0] for r in db.execute(
-                f"SELECT id FROM items WHERE state = 'ok' AND id IN ({','.join('?' * len(part))})",
-                part))
+        done = {item for item, state in _states(db, want).items() if state == "ok"}
         if self._next_payload is None:
             self._next_payload = db.execute(
                 "SELECT coalesce(max(id), 0) + 1 FROM payloads").fetchone()[0]
@@ -759,6 +747,16 @@ def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]
     for i in range(0, len(rows), ROWS_PER_STATEMENT):
         part = rows[i:i + ROWS_PER_STATEMENT]
         db.execute(_sql(template, len(part), width), list(itertools.chain.from_iterable(part)))
+
+
+def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:
+    """The state of each of ``ids`` that has one (``CHUNK`` IDs a statement)."""
+    out: dict[str, str] = {}
+    for i in range(0, len(ids), CHUNK):
+        part = ids[i:i + CHUNK]
+        out.update(db.execute("SELECT id, state FROM items WHERE state IS NOT NULL AND id IN "
+                              f"({','.join('?' * len(part))})", part))
+    return out
 
 
 def _same_file(a: Any, b: dict[str, Any]) -> bool:

@@ -419,7 +419,6 @@ class Worker:
         self.sink.put(rec)
         self.ledger.settled(item, rec)
 
-
     def holds(self) -> bool:
         """Whether the pass holds IDs (queued, in a worker's hand, parked for a retry)."""
         return bool(self.held or len(self.parking) or self.queue.qsize())
