@@ -14,15 +14,17 @@ read consistent snapshots while it writes.
 Tables (``records.py`` says what each record means)::
 
     items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt,
-          payload)
+          payload, pieces)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
-        failed, perm, unavailable; ``payload`` the row of ``payloads`` holding the ok payload
-        (``data``: where schema 2 and before kept it, in the row); ``sent_run`` the run
+        failed, perm, unavailable; ``payload`` the first row of ``payloads`` holding the ok
+        payload and ``pieces`` in how many (NULL: one; ``data``: where schema 2 and before kept
+        it, in the row); ``sent_run`` the run
         whose ``sent`` intent has no outcome yet; ``sends`` the requests ever sent for it;
         ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
         doubt and fetched ok since: possibly billed twice)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
-                                            ``results`` view casts to text), appended
+                                            ``results`` view casts to text), appended, in
+                                            pieces that fill its pages (``_piece_size``)
     runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
     ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
     key_ledger(day, key, sent, billable)    calls by UTC date and API key fingerprint
@@ -77,11 +79,22 @@ from .types import Halt
 log = logging.getLogger("asyncrawl")
 
 DB = "state.db"
-SCHEMA_VERSION = 3  # 2: key_ledger; 3: payloads
-RESULTS_VIEW = """
+SCHEMA_VERSION = 4  # 2: key_ledger; 3: payloads; 4: payloads in pieces
+UNUSED = 0.05  # of a leaf page of ``payloads`` that a payload's pieces may leave unused
+
+
+def _payload_sql(i: str, p: str) -> str:
+    """The expression of an item's payload: ``{p}.data`` (its one row of ``payloads``, joined
+    on ``{i}.payload``), or its pieces, concatenated in order, or ``{i}.data`` (schema 2)."""
+    return (f"CASE WHEN {i}.pieces > 1 THEN (SELECT group_concat(data, '') FROM (SELECT data "
+            f"FROM payloads WHERE id BETWEEN {i}.payload AND {i}.payload + {i}.pieces - 1 "
+            f"ORDER BY id)) ELSE coalesce({p}.data, {i}.data) END")
+
+
+RESULTS_VIEW = f"""
 CREATE VIEW results AS
     SELECT i.id, CASE i.state WHEN 'perm' THEN 'failed' ELSE i.state END AS outcome, i.status,
-           i.error, i.fetched_at, CAST(coalesce(p.data, i.data) AS TEXT) AS data
+           i.error, i.fetched_at, CAST({_payload_sql("i", "p")} AS TEXT) AS data
     FROM items i LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL;
 """
 # what a database of an earlier version needs, from the writer's first open ({from: script})
@@ -93,6 +106,13 @@ CREATE TABLE key_ledger (
 """, 2: """
 ALTER TABLE items ADD COLUMN payload INTEGER;
 CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
+DROP VIEW results;
+CREATE VIEW results AS
+    SELECT i.id, CASE i.state WHEN 'perm' THEN 'failed' ELSE i.state END AS outcome, i.status,
+           i.error, i.fetched_at, CAST(coalesce(p.data, i.data) AS TEXT) AS data
+    FROM items i LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL;
+""", 3: """
+ALTER TABLE items ADD COLUMN pieces INTEGER;
 DROP VIEW results;
 """ + RESULTS_VIEW}
 CHUNK = 900  # IDs per lookup statement
@@ -114,7 +134,8 @@ CREATE TABLE items (
     sent_run INTEGER,
     sends INTEGER NOT NULL DEFAULT 0,
     doubt INTEGER,
-    payload INTEGER
+    payload INTEGER,
+    pieces INTEGER
 );
 CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE INDEX items_open ON items (sent_run) WHERE state IS NULL OR state IN ('failed', 'perm');
@@ -146,7 +167,7 @@ END;
 # An outcome record: ok is final (the first ok record is the ID's result; later ones add
 # only their bill), and it ends the ID's open "sent" intent.
 UPSERT_OUTCOME = """
-INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, payload)
+INSERT INTO items (id, state, status, error, pass, tries, paid, fetched_at, payload, pieces)
 VALUES {values}
 ON CONFLICT (id) DO UPDATE SET
     state = iif(state = 'ok', 'ok', excluded.state),
@@ -156,6 +177,7 @@ ON CONFLICT (id) DO UPDATE SET
     tries = iif(state = 'ok', tries, excluded.tries),
     fetched_at = iif(state = 'ok', fetched_at, excluded.fetched_at),
     payload = iif(state = 'ok', payload, excluded.payload),
+    pieces = iif(state = 'ok', pieces, excluded.pieces),
     paid = paid + excluded.paid,
     sent_run = NULL,
     doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
@@ -209,6 +231,8 @@ class SqliteStore:
         self._next_payload: int | None = None  # the number of the next payload row written
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
+            self._page = db.execute("PRAGMA page_size").fetchone()[0]
+        self._piece_sizes: dict[int, int] = {}  # payload size (< 2 pages) -> ``_piece_size``
         self.job: dict[str, Any] | None = self._meta_json("job")
 
     def __repr__(self) -> str:
@@ -472,15 +496,16 @@ class SqliteStore:
             self._end_run(rec)
 
     def _store_payloads(self, outcomes: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """The outcome rows, each ok payload stored apart: a row of ``payloads`` (appended,
+        """The outcome rows, each ok payload stored apart: rows of ``payloads`` (appended,
         so its pages fill to the brim, where a payload written into its item's row, which
         the intent made small, split pages and left them half empty: 202 bytes an ID beyond
-        a 995-byte payload, now about half that) and the item row holding its number. Only
-        an ID's first ok keeps its payload: none is stored for one the ID already has."""
+        a 995-byte payload, now about half that), in pieces that fill the pages
+        (``_piece_size``), and the item row holding the number of the first and how many.
+        Only an ID's first ok keeps its payload: none is stored for one the ID already has."""
         db = self._db
         want = [row[0] for row in outcomes if row[8] is not None]
         if not want:
-            return outcomes
+            return [(*row[:8], None, None) for row in outcomes]
         done = {item for item, state in _states(db, want).items() if state == "ok"}
         if self._next_payload is None:
             self._next_payload = db.execute(
@@ -488,14 +513,25 @@ class SqliteStore:
         n = self._next_payload
         rows: list[tuple[Any, ...]] = []
         stored: list[tuple[int, bytes]] = []
+        steps, page = self._piece_sizes, self._page
         for row in outcomes:
-            if row[8] is None or row[0] in done:
-                rows.append((*row[:8], None))
+            data = row[8]
+            if data is None or row[0] in done:
+                rows.append((*row[:8], None, None))
                 continue
             done.add(row[0])
-            stored.append((n, row[8]))
-            rows.append((*row[:8], n))
-            n += 1
+            size = len(data)
+            if size >= 2 * page or (step := steps.get(size) or steps.setdefault(
+                    size, _piece_size(size, page))) >= size:
+                stored.append((n, data))
+                rows.append((*row[:8], n, 1))
+                n += 1
+                continue
+            first = n
+            for i in range(0, size, step):
+                stored.append((n, data[i:i + step]))
+                n += 1
+            rows.append((*row[:8], first, n - first))
         if stored:
             _many(db, "INSERT INTO payloads (id, data) VALUES {values}", stored)
         self._next_payload = n
@@ -585,9 +621,10 @@ class SqliteStore:
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = EXPORT_STATES[outcome]
-        # (a payload is in ``payloads``, or in its item's row in a database of schema 2 or
-        # before, upgraded or not)
-        data = "coalesce(p.data, i.data)" if self._version >= 3 else "i.data"
+        # (a payload is in ``payloads``, in one row or in pieces, or in its item's row in a
+        # database of schema 2 or before, upgraded or not)
+        data = (f"CAST({_payload_sql('i', 'p')} AS BLOB)" if self._version >= 4 else
+                "coalesce(p.data, i.data)" if self._version >= 3 else "i.data")
         join = "LEFT JOIN payloads p ON p.id = i.payload" if self._version >= 3 else ""
         with self._reading():
             rows = self._db.execute(
@@ -747,6 +784,30 @@ def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]
     for i in range(0, len(rows), ROWS_PER_STATEMENT):
         part = rows[i:i + ROWS_PER_STATEMENT]
         db.execute(_sql(template, len(part), width), list(itertools.chain.from_iterable(part)))
+
+
+def _piece_size(size: int, page: int) -> int:
+    """The size of the pieces a payload of ``size`` bytes is stored in: the fewest pieces (of
+    one size) that leave at most ``UNUSED`` of a leaf page unused where every payload is that
+    size. SQLite keeps a row whole in its leaf page while it fits, so a page holds a whole
+    number of rows and the rest of it stays unused: one 3-KB row in two left a quarter of
+    each page unused (1,185 bytes an ID beyond a 3-KB payload), three pieces of 1,000 bytes
+    leave 1 %. What is larger than a page goes to overflow pages, filled completely (but for
+    the last when what is left in the leaf page would be too large): one piece."""
+    usable, most = page - 8, page - 35  # a leaf page less its header; a row kept whole
+    if size > most:
+        least = (page - 12) * 32 // 255 - 23  # what SQLite keeps of a row in its leaf page
+        if size >= 2 * page or least + (size - least) % (page - 4) <= most:  # (and callers)
+            return size  # overflow pages filled completely, or a part of one left: < 10 %
+    best = (1.0, size)
+    for n in range(-(-size // most), 17):
+        step = -(-size // n)
+        cell = step + 12  # the row's header and number, the page's pointer to it
+        unused = (usable - usable // cell * cell) / usable
+        if unused <= UNUSED:
+            return step
+        best = min(best, (unused, step))
+    return best[1]
 
 
 def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:

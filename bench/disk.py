@@ -17,7 +17,7 @@ page is unused; rows larger than that spill into overflow pages that are filled 
 Usage::
 
     .venv/bin/python bench/disk.py [--ids 20000] [--payloads 300,1000,3000,6000,12000]
-        [--page-sizes 4096,8192,16384]
+        [--page-sizes 4096,8192,16384] [--unused 0.05]
 """
 
 from __future__ import annotations
@@ -74,11 +74,16 @@ async def overhead(ids: int, size: int, page: int, root: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--ids", type=int, default=20_000, help="IDs per state (20000)")
-    p.add_argument("--payloads", default="300,1000,3000,6000,12000",
-                   help="payload sizes in bytes (300,1000,3000,6000,12000)")
+    p.add_argument("--payloads", default="300,600,900,1000,1500,1800,2500,3000,6000,8200,12000",
+                   help="payload sizes in bytes (300,600,900,1000,1500,1800,2500,3000,6000,"
+                        "8200,12000)")
     p.add_argument("--page-sizes", default=str(sqlstore.PAGE_SIZE),
                    help=f"SQLite page sizes ({sqlstore.PAGE_SIZE}, the store's)")
+    p.add_argument("--unused", type=float, default=sqlstore.UNUSED,
+                   help=f"the share of a page a payload's pieces may leave unused "
+                        f"({sqlstore.UNUSED}, the store's; 1: every payload in one row)")
     args = p.parse_args(argv)
+    sqlstore.UNUSED = args.unused
     sizes = [int(x) for x in args.payloads.split(",")]
     pages = [int(x) for x in args.page_sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="asyncrawl-disk-"))

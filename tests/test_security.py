@@ -791,8 +791,8 @@ def outcomes(state: Path) -> dict[str, dict[str, Any]]:
     outcome, ``s`` status, ``e`` error, ``perm``, ``n`` tries, ``data``)."""
     out: dict[str, dict[str, Any]] = {}
     for item, state_, status, error, tries, data in db_rows(
-            state, "SELECT i.id, i.state, i.status, i.error, i.tries, p.data FROM items i "
-                   "LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL"):
+            state, "SELECT i.id, i.state, i.status, i.error, i.tries, r.data FROM items i "
+                   "JOIN results r ON r.id = i.id"):
         out[item] = {"k": "failed" if state_ == "perm" else state_, "s": status, "e": error,
                      "perm": state_ == "perm", "n": tries,
                      "data": json.loads(data) if data is not None else None}

@@ -18,11 +18,11 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
-from asyncrawl.sqlstore import DB
+from asyncrawl.sqlstore import DB, PAGE_SIZE, _piece_size
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import Writer
 
-from .conftest import as_schema_2, db_rows, outcomes_of, sends_of
+from .conftest import as_schema_2, as_schema_3, db_rows, outcomes_of, sends_of
 
 TS = 1_700_000_000.0  # 2023-11-14 UTC
 JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
@@ -137,6 +137,55 @@ async def test_payloads_are_stored_apart_once_per_id(tmp_path: Path) -> None:
                   "e": {"e": 1}}
 
 
+BIG = ('{"t":"' + "é☃x" * 700 + '"}').encode()  # 4.2 KB: pieces that cut characters in two
+
+
+async def test_a_large_payload_is_stored_in_pieces_and_read_back_whole(tmp_path: Path) -> None:
+    """A payload that would leave much of its page unused (here 4.2 KB: a page of 8 KiB
+    holds one) takes consecutive rows of ``payloads`` of one size (a cut may fall inside a
+    character); the ``results`` view, the exports and the payloads after it read each one
+    whole; one that fills its pages well, or overflows a page, stays one row."""
+    assert _piece_size(len(BIG), PAGE_SIZE) < len(BIG)
+    assert _piece_size(995, PAGE_SIZE) == 995 and _piece_size(3 * PAGE_SIZE, PAGE_SIZE) == 3 * PAGE_SIZE
+    huge = b'"' + b"y" * (3 * PAGE_SIZE - 2) + b'"'
+    state = tmp_path / "state"
+    await committed(state, RECORDS, [
+        Record("ok", "big", status=200, raw=BIG, paid=1, ts=TS),
+        Record("ok", "after", status=200, data={"n": 2}, paid=1, ts=TS),
+        Record("ok", "huge", status=200, raw=huge, paid=1, ts=TS),
+    ])
+    sizes = db_rows(state, "SELECT length(data) FROM payloads WHERE id BETWEEN (SELECT payload "
+                           "FROM items WHERE id = 'big') AND (SELECT payload + pieces - 1 FROM "
+                           "items WHERE id = 'big')")
+    step = _piece_size(len(BIG), PAGE_SIZE)
+    assert [n for n, in sizes] == [step] * (len(BIG) // step) + [len(BIG) % step] * (len(BIG) % step > 0)
+    assert db_rows(state, "SELECT id, pieces FROM items WHERE id IN ('after', 'huge') ORDER BY id") \
+        == [("after", 1), ("huge", 1)]
+    assert db_rows(state, "SELECT data FROM results WHERE id = 'big'") == [(BIG.decode(),)]
+    ok = {r.id: r.raw for r in read_store(state).records("ok")}
+    assert ok["big"] == BIG and ok["after"] == b'{"n":2}' and ok["huge"] == huge
+    assert ok["a"] == b'{"title":"\xc3\x9cn\xc3\xafcode \xe2\x98\x83","n":1}'
+
+
+async def test_a_database_of_schema_3_is_read_and_upgraded(tmp_path: Path) -> None:
+    """A state of the release before (each payload one row): read as it is, upgraded by the
+    next run's open, new payloads in pieces; the ``results`` view reads both."""
+    state = tmp_path / "state"
+    await committed(state, RECORDS, [Record("ok", "big", status=200, raw=BIG, paid=1, ts=TS)])
+    as_schema_3(state / DB)
+    assert db_rows(state, "SELECT count(*) FROM payloads") == [(3,)]
+    assert {r.id: r.raw for r in read_store(state).records("ok")}["big"] == BIG
+    await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
+                            Record("ok", "big2", status=200, raw=BIG, paid=1, ts=TS)])
+    assert db_rows(state, "PRAGMA user_version") == [(4,)]
+    assert db_rows(state, "SELECT id, pieces FROM items WHERE id LIKE 'big%' ORDER BY id") \
+        == [("big", None), ("big2", -(-len(BIG) // _piece_size(len(BIG), PAGE_SIZE)))]
+    assert db_rows(state, "SELECT id FROM results WHERE data = ? ORDER BY id",
+                   BIG.decode()) == [("big",), ("big2",)]
+    assert {r.id: r.raw for r in read_store(state).records("ok") if r.id.startswith("big")} \
+        == {"big": BIG, "big2": BIG}
+
+
 async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> None:
     """A state of the release before (payloads in the item rows): read as it is, upgraded by
     the next run's open (its payloads stay where they are), new payloads stored apart."""
@@ -146,7 +195,7 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
     assert next(read_store(state).records("ok")).payload == {"title": "Ünïcode ☃", "n": 1}
     await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
                             Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS)])
-    assert db_rows(state, "PRAGMA user_version") == [(3,)]
+    assert db_rows(state, "PRAGMA user_version") == [(4,)]
     ok = {r.id: r.payload for r in read_store(state).records("ok")}
     assert ok == {"a": {"title": "Ünïcode ☃", "n": 1}, "d/ü": {"x": [1, "two", None]},
                   "e": {"e": 1}}
