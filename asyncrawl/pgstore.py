@@ -977,6 +977,14 @@ class PgStore:
                     state == "perm", None, pass_no or 1, tries or 0, paid, ts or 0.0, None,
                     bytes(data) if data is not None else None, None))
 
+    def payloads(self) -> Iterator[tuple[str, bytes | None]]:
+        with self._db("control", "read the job") as db, db.transaction(), \
+                db.cursor(name="export_payloads") as cur:
+            cur.execute("SELECT id, data FROM asyncrawl_items WHERE job = %s AND state = 'ok' "
+                        "ORDER BY id", (self.job_name,))
+            for item, data in cur:
+                yield item, bytes(data) if data is not None else None
+
     def ids(self, outcome: str) -> Iterator[list[str]]:
         want = list(EXPORT_STATES[outcome])
         with self._db("control", "read the job") as db, db.transaction(), \

@@ -194,11 +194,11 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
             return _write_ids(blocks, out)
         return _atomically(Path(path), lambda f: _write_ids(blocks, f))
     if fmt == "jsonl" and outcome == "ok":
-        recs = read_store(config.state, job=config.job).records("ok")
+        payloads = read_store(config.state, job=config.job).payloads()
         if path is None:
             assert out is not None
-            return _write_ok_jsonl(recs, out)
-        return _atomically(Path(path), lambda f: _write_ok_jsonl(recs, f))
+            return _write_ok_jsonl(payloads, out)
+        return _atomically(Path(path), lambda f: _write_ok_jsonl(payloads, f))
     records = _records(config, outcome)
     if path is None:
         assert out is not None
@@ -206,7 +206,7 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
     return _atomically(Path(path), lambda f: _write(records, outcome, fmt, fields, f))
 
 
-def _write_ok_jsonl(records: Iterator[Record], out: TextIO) -> int:
+def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -> int:
     """``{"id": ..., "data": ...}`` lines, the payload spliced in as stored (it is the JSON the
     API sent, and it parsed) rather than parsed and serialised again; to the binary stream
     under ``out`` when there is one."""
@@ -216,12 +216,11 @@ def _write_ok_jsonl(records: Iterator[Record], out: TextIO) -> int:
     dumps = orjson.dumps
     n = size = 0
     lines: list[bytes] = []
-    for rec in records:
-        raw = rec.raw
+    for item, raw in payloads:
         if raw is None or b"\n" in raw or b"\r" in raw:
-            line = dumps({"id": rec.id, "data": rec.payload}) + b"\n"
+            line = dumps({"id": item, "data": orjson.loads(raw) if raw else None}) + b"\n"
         else:
-            line = b'{"id":' + dumps(rec.id) + b',"data":' + raw.strip() + b"}\n"
+            line = b'{"id":' + dumps(item) + b',"data":' + raw.strip() + b"}\n"
         lines.append(line)
         size += len(line)
         if size >= 1 << 18:  # written in blocks of 256 KiB: memory stays flat

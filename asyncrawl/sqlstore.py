@@ -619,13 +619,18 @@ class SqliteStore:
                         in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
                         job=self.job, running=running, ledger=tuple(ledger), keys=keys)
 
-    def records(self, outcome: str) -> Iterator[Record]:
-        want = EXPORT_STATES[outcome]
-        # (a payload is in ``payloads``, in one row or in pieces, or in its item's row in a
-        # database of schema 2 or before, upgraded or not)
+    def _payload_columns(self) -> tuple[str, str]:
+        """The payload's expression and its join, for the schema version of this database (a
+        payload is in ``payloads``, in one row or in pieces, or in its item's row in a
+        database of schema 2 or before, upgraded or not)."""
         data = (f"CAST({_payload_sql('i', 'p')} AS BLOB)" if self._version >= 4 else
                 "coalesce(p.data, i.data)" if self._version >= 3 else "i.data")
         join = "LEFT JOIN payloads p ON p.id = i.payload" if self._version >= 3 else ""
+        return data, join
+
+    def records(self, outcome: str) -> Iterator[Record]:
+        want = EXPORT_STATES[outcome]
+        data, join = self._payload_columns()
         with self._reading():
             rows = self._db.execute(
                 f"SELECT i.id, i.state, i.status, i.error, i.pass, i.tries, i.paid, i.fetched_at, "
@@ -645,6 +650,12 @@ class SqliteStore:
                                    "ORDER BY rowid", want)
             while rows := cur.fetchmany(4096):
                 yield [row[0] for row in rows]
+
+    def payloads(self) -> Iterator[tuple[str, bytes | None]]:
+        data, join = self._payload_columns()
+        with self._reading():
+            yield from self._db.execute(f"SELECT i.id, {data} FROM items i {join} "
+                                        "WHERE i.state = 'ok' ORDER BY i.rowid")
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None

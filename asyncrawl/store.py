@@ -34,6 +34,8 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``records(outcome)``       stream the records to export: ``ok`` (each ID's result, once),
                            ``failed`` or ``unavailable`` (each such ID's latest outcome record)
 ``ids(outcome)``           the IDs of ``records(outcome)``, a block (list) at a time
+``payloads()``             stream ``(id, payload)`` for the ``ok`` IDs, the payload as stored (JSON,
+                          UTF-8 bytes), in ``records("ok")``'s order
 ``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off
 ``close()``                release the lock and the files (awaitable)
 =========================  ==========================================================================
@@ -80,6 +82,8 @@ class Store(Protocol):
     def records(self, outcome: str) -> Iterator[Record]: ...
 
     def ids(self, outcome: str) -> Iterator[list[str]]: ...
+
+    def payloads(self) -> Iterator[tuple[str, bytes | None]]: ...
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]: ...
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from asyncrawl.records import Counts
@@ -99,6 +100,9 @@ async def test_library_crawl_into_a_job_and_a_rerun_adds_only_new_ids(job: str) 
     ok = {r.id: r.payload for r in store.records("ok")}
     assert len(ok) == 350 and ok["a7"]["id"] == "a7" and "f1" in ok
     assert sorted(x for b in store.ids("unavailable") for x in b) == ["n404"]
+    payloads = list(store.payloads())  # what export --format jsonl writes
+    assert [item for item, _ in payloads] == [r.id for r in store.records("ok")]
+    assert {item: orjson.loads(raw) for item, raw in payloads} == ok
 
 
 def _run(config: Path, *extra: str) -> subprocess.Popen[str]:

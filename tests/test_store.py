@@ -13,6 +13,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+import orjson
 import pytest
 
 from asyncrawl import LockedError, StorageError
@@ -164,6 +165,7 @@ async def test_a_large_payload_is_stored_in_pieces_and_read_back_whole(tmp_path:
     assert db_rows(state, "SELECT data FROM results WHERE id = 'big'") == [(BIG.decode(),)]
     ok = {r.id: r.raw for r in read_store(state).records("ok")}
     assert ok["big"] == BIG and ok["after"] == b'{"n":2}' and ok["huge"] == huge
+    assert list(read_store(state).payloads()) == list(ok.items())  # export jsonl's stream
     assert ok["a"] == b'{"title":"\xc3\x9cn\xc3\xafcode \xe2\x98\x83","n":1}'
 
 
@@ -193,6 +195,8 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
     await committed(state, RECORDS)
     as_schema_2(state / DB)
     assert next(read_store(state).records("ok")).payload == {"title": "Ünïcode ☃", "n": 1}
+    assert [(item, orjson.loads(raw)) for item, raw in read_store(state).payloads()] == [
+        ("a", {"title": "Ünïcode ☃", "n": 1}), ("d/ü", {"x": [1, "two", None]})]
     await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
                             Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS)])
     assert db_rows(state, "PRAGMA user_version") == [(4,)]
