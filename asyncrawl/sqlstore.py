@@ -24,7 +24,7 @@ Tables (``records.py`` says what each record means)::
         doubt and fetched ok since: possibly billed twice)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
                                             ``results`` view casts to text), appended, in
-                                            pieces that fill its pages (``_piece_size``)
+                                            pieces that fill its pages (``_cut``)
     runs(run, started, pid, version, job, ended, error, halt_reason, halt_status, halt_message)
     ledger(day, endpoint, sent, billable)   calls by UTC date and endpoint, as recorded
     key_ledger(day, key, sent, billable)    calls by UTC date and API key fingerprint
@@ -80,7 +80,7 @@ log = logging.getLogger("asyncrawl")
 
 DB = "state.db"
 SCHEMA_VERSION = 4  # 2: key_ledger; 3: payloads; 4: payloads in pieces
-UNUSED = 0.05  # of a leaf page of ``payloads`` that a payload's pieces may leave unused
+ROW_COST = 32  # bytes of the file a payload's extra row must save (``_cut``)
 
 
 def _payload_sql(i: str, p: str) -> str:
@@ -232,7 +232,6 @@ class SqliteStore:
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
-        self._piece_sizes: dict[int, int] = {}  # payload size (< 2 pages) -> ``_piece_size``
         self.job: dict[str, Any] | None = self._meta_json("job")
 
     def __repr__(self) -> str:
@@ -500,7 +499,7 @@ class SqliteStore:
         so its pages fill to the brim, where a payload written into its item's row, which
         the intent made small, split pages and left them half empty: 202 bytes an ID beyond
         a 995-byte payload, now about half that), in pieces that fill the pages
-        (``_piece_size``), and the item row holding the number of the first and how many.
+        (``_cut``), and the item row holding the number of the first and how many.
         Only an ID's first ok keeps its payload: none is stored for one the ID already has."""
         db = self._db
         want = [row[0] for row in outcomes if row[8] is not None]
@@ -513,25 +512,25 @@ class SqliteStore:
         n = self._next_payload
         rows: list[tuple[Any, ...]] = []
         stored: list[tuple[int, bytes]] = []
-        steps, page = self._piece_sizes, self._page
+        page = self._page
         for row in outcomes:
             data = row[8]
             if data is None or row[0] in done:
                 rows.append((*row[:8], None, None))
                 continue
             done.add(row[0])
-            size = len(data)
-            if size >= 2 * page or (step := steps.get(size) or steps.setdefault(
-                    size, _piece_size(size, page))) >= size:
+            cut = _cut(len(data), page)
+            if len(cut) == 1:
                 stored.append((n, data))
                 rows.append((*row[:8], n, 1))
                 n += 1
                 continue
-            first = n
-            for i in range(0, size, step):
-                stored.append((n, data[i:i + step]))
+            at = 0
+            for piece in cut:
+                stored.append((n, data[at:at + piece]))
+                at += piece
                 n += 1
-            rows.append((*row[:8], first, n - first))
+            rows.append((*row[:8], n - len(cut), len(cut)))
         if stored:
             _many(db, "INSERT INTO payloads (id, data) VALUES {values}", stored)
         self._next_payload = n
@@ -619,23 +618,35 @@ class SqliteStore:
                         in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
                         job=self.job, running=running, ledger=tuple(ledger), keys=keys)
 
-    def _payload_columns(self) -> tuple[str, str]:
-        """The payload's expression and its join, for the schema version of this database (a
-        payload is in ``payloads``, in one row or in pieces, or in its item's row in a
-        database of schema 2 or before, upgraded or not)."""
-        data = (f"CAST({_payload_sql('i', 'p')} AS BLOB)" if self._version >= 4 else
-                "coalesce(p.data, i.data)" if self._version >= 3 else "i.data")
-        join = "LEFT JOIN payloads p ON p.id = i.payload" if self._version >= 3 else ""
-        return data, join
+    @contextlib.contextmanager
+    def _with_payloads(self, columns: str, where: str,
+                       params: Sequence[Any] = ()) -> Iterator[sqlite3.Cursor]:
+        """``SELECT {columns}, <the payload> FROM items i ... WHERE {where} ORDER BY i.rowid``,
+        in one read transaction with the schema version it is written for: a payload is in
+        ``payloads``, in one row or in pieces, or in its item's row in a database of schema 2
+        or before, upgraded or not, and a run may upgrade the database while this reader is
+        open (a query of the version before would read the first piece of a payload alone)."""
+        db = self._db
+        own = not db.in_transaction
+        with self._reading():
+            if own:
+                db.execute("BEGIN")
+            try:
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                data = (f"CAST({_payload_sql('i', 'p')} AS BLOB)" if version >= 4 else
+                        "coalesce(p.data, i.data)" if version >= 3 else "i.data")
+                join = "LEFT JOIN payloads p ON p.id = i.payload" if version >= 3 else ""
+                yield db.execute(f"SELECT {columns}, {data} FROM items i {join} WHERE {where} "
+                                 "ORDER BY i.rowid", params)
+            finally:
+                if own and db.in_transaction:
+                    db.execute("COMMIT")
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = EXPORT_STATES[outcome]
-        data, join = self._payload_columns()
-        with self._reading():
-            rows = self._db.execute(
-                f"SELECT i.id, i.state, i.status, i.error, i.pass, i.tries, i.paid, i.fetched_at, "
-                f"{data} FROM items i {join} WHERE i.state IN ({','.join('?' * len(want))}) "
-                "ORDER BY i.rowid", want)
+        with self._with_payloads(
+                "i.id, i.state, i.status, i.error, i.pass, i.tries, i.paid, i.fetched_at",
+                f"i.state IN ({','.join('?' * len(want))})", want) as rows:
             make = tuple.__new__  # (Record's keyword constructor costs more than the row)
             for item, state, status, error, pass_no, tries, paid, ts, data in rows:
                 yield make(Record, ("failed" if state == "perm" else state, item, status, error,
@@ -652,10 +663,8 @@ class SqliteStore:
                 yield [row[0] for row in rows]
 
     def payloads(self) -> Iterator[tuple[str, bytes | None]]:
-        data, join = self._payload_columns()
-        with self._reading():
-            yield from self._db.execute(f"SELECT i.id, {data} FROM items i {join} "
-                                        "WHERE i.state = 'ok' ORDER BY i.rowid")
+        with self._with_payloads("i.id", "i.state = 'ok'") as rows:
+            yield from rows
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
@@ -780,7 +789,7 @@ class _Groups:
         self.last: list[Record] = []  # halt, end
 
 
-ROWS_PER_STATEMENT = 256  # x at most 9 parameters: well below SQLite's limit of 32,766
+ROWS_PER_STATEMENT = 256  # x at most 10 parameters: well below SQLite's limit of 32,766
 
 
 @functools.lru_cache(maxsize=64)
@@ -797,28 +806,90 @@ def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]
         db.execute(_sql(template, len(part), width), list(itertools.chain.from_iterable(part)))
 
 
-def _piece_size(size: int, page: int) -> int:
-    """The size of the pieces a payload of ``size`` bytes is stored in: the fewest pieces (of
-    one size) that leave at most ``UNUSED`` of a leaf page unused where every payload is that
-    size. SQLite keeps a row whole in its leaf page while it fits, so a page holds a whole
-    number of rows and the rest of it stays unused: one 3-KB row in two left a quarter of
-    each page unused (1,185 bytes an ID beyond a 3-KB payload), three pieces of 1,000 bytes
-    leave 1 %. What is larger than a page goes to overflow pages, filled completely (but for
-    the last when what is left in the leaf page would be too large): one piece."""
-    usable, most = page - 8, page - 35  # a leaf page less its header; a row kept whole
-    if size > most:
-        least = (page - 12) * 32 // 255 - 23  # what SQLite keeps of a row in its leaf page
-        if size >= 2 * page or least + (size - least) % (page - 4) <= most:  # (and callers)
-            return size  # overflow pages filled completely, or a part of one left: < 10 %
-    best = (1.0, size)
-    for n in range(-(-size // most), 17):
-        step = -(-size // n)
-        cell = step + 12  # the row's header and number, the page's pointer to it
-        unused = (usable - usable // cell * cell) / usable
-        if unused <= UNUSED:
-            return step
-        best = min(best, (unused, step))
+@functools.lru_cache(maxsize=1 << 15)
+def _cut(size: int, page: int) -> tuple[int, ...]:
+    """The sizes of the rows of ``payloads`` a payload of ``size`` bytes is stored in; of these,
+    the one whose rows take the fewest bytes of the file (``_row_bytes``), each row counted
+    ``ROW_COST`` bytes more (a row costs the writer ~2 µs, and a reader as much again):
+
+    * one row, or 2 to 16 pieces of one size (``_even``);
+    * a head that SQLite stores as its least part in the leaf page (~1 KB) and whole
+      overflow pages, then the rest as ``_even`` cuts it. (Not a head that fills a leaf page
+      by itself: a crawl appends a payload's rows one after the other, so the next head
+      would not fit beside its tail, and each tail would keep a page to itself.)
+
+    SQLite keeps a row whole in its leaf page while it fits, so a page holds a whole number
+    of rows and the rest of it stays unused: a 3,000-B row two to a page left a quarter of
+    each unused (1,192 bytes an ID beyond the payload); three pieces of 1,000 B leave 1 %."""
+    best = _even(size, page) if size < 2 * page else (_row_bytes(size, page) + ROW_COST, (size,))
+    least, over = (page - 12) * 32 // 255 - 23, page - 4  # SQLite's least kept in the leaf
+    head = least + (size + 5 - least) // over * over - 5  # a record of 5 header bytes + head
+    if page - 35 < head + 5 and head < size:  # its rest: pieces no larger than its leaf part
+        overflow, first = _cell(head, page)
+        rest = size - head
+        for n in range(-(-rest // least), -(-rest // least) + 4):
+            step = -(-rest // n)
+            cut = (head, *(step,) * (n - 1), rest - step * (n - 1))
+            cells = [first, *(_cell(n, page)[1] for n in cut[1:])]
+            cost = overflow * page + _packed(cells, page) + len(cut) * ROW_COST
+            best = min(best, (cost, cut))
     return best[1]
+
+
+def _packed(cells: list[int], page: int, payloads: int = 16) -> float:
+    """Bytes of leaf pages a payload's cells take where a crawl appends payloads like it one
+    after the other (SQLite starts a new page where the next cell does not fit)."""
+    usable = page - 8
+    pages, free = 1, usable
+    for _ in range(payloads):
+        for cell in cells:
+            if cell > free:
+                pages, free = pages + 1, usable
+            free -= cell
+    return (pages - free / usable) * page / payloads
+
+
+@functools.lru_cache(maxsize=1 << 15)
+def _even(size: int, page: int) -> tuple[float, tuple[int, ...]]:
+    """Of one row and 2 to 16 pieces of one size, the cheapest for ``size`` bytes, and its
+    cost (bytes of the file and ``ROW_COST`` a row)."""
+    best = (_row_bytes(size, page) + ROW_COST, (size,))
+    for n in range(2, 17):
+        step = -(-size // n)
+        last = size - step * (n - 1)
+        if last <= 0:
+            break
+        cost = (n - 1) * _row_bytes(step, page) + _row_bytes(last, page) + n * ROW_COST
+        best = min(best, (cost, (step,) * (n - 1) + (last,)))
+    return best
+
+
+def _row_bytes(size: int, page: int) -> float:
+    """Bytes of the file a row of ``payloads`` holding ``size`` bytes takes where every row is
+    like it: its share of a leaf page and its overflow pages (``_cell``)."""
+    overflow, cell = _cell(size, page)
+    usable = page - 8  # a leaf page less its header
+    return usable / (usable // cell) + overflow * page
+
+
+def _cell(size: int, page: int) -> tuple[int, int]:
+    """A row of ``payloads`` holding ``size`` bytes as SQLite lays it out: its overflow pages,
+    and the bytes of its leaf page it takes (the cell: the record's length and the row's
+    number, what of the record stays in the leaf page, the pointer to the first overflow
+    page; and the page's pointer to the cell)."""
+    record = size + 2 + _varint_len(2 * size + 12)  # header: its length, NULL (the row id), type
+    most, least = page - 35, (page - 12) * 32 // 255 - 23
+    local, overflow = record, 0
+    if record > most:
+        local = least + (record - least) % (page - 4)
+        if local > most:
+            local = least
+        overflow = -(-(record - local) // (page - 4))
+    return overflow, _varint_len(record) + 3 + local + (4 if overflow else 0) + 2
+
+
+def _varint_len(n: int) -> int:
+    return 1 if n < 0x80 else 2 if n < 0x4000 else 3 if n < 0x200000 else 4
 
 
 def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:

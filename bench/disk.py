@@ -12,12 +12,15 @@ page size it was created with).
 
 Why it varies with the payload: SQLite keeps a row in its table's leaf page when it fits
 (up to the page size less 35 bytes), so a page holds a whole number of rows and the rest of the
-page is unused; rows larger than that spill into overflow pages that are filled completely.
+page is unused; of a row larger than that, SQLite keeps a part in the leaf page (from ~1 KB to
+most of a page) and the rest in overflow pages of its own, all full but maybe the last. The
+store cuts payloads into pieces so that its rows fill the pages (``sqlstore._cut``);
+``--one-row`` stores each payload in one row, as schema 3 did, for comparison.
 
 Usage::
 
-    .venv/bin/python bench/disk.py [--ids 20000] [--payloads 300,1000,3000,6000,12000]
-        [--page-sizes 4096,8192,16384] [--unused 0.05]
+    .venv/bin/python bench/disk.py [--ids 20000] [--payloads 300,1000,3000,...]
+        [--page-sizes 4096,8192,16384] [--one-row]
 """
 
 from __future__ import annotations
@@ -74,16 +77,18 @@ async def overhead(ids: int, size: int, page: int, root: Path) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--ids", type=int, default=20_000, help="IDs per state (20000)")
-    p.add_argument("--payloads", default="300,600,900,1000,1500,1800,2500,3000,6000,8200,12000",
+    p.add_argument("--payloads",
+                   default="300,600,900,1000,1500,1800,2500,3000,6000,7486,8200,9100,13000",
                    help="payload sizes in bytes (300,600,900,1000,1500,1800,2500,3000,6000,"
-                        "8200,12000)")
+                        "7486,8200,9100,13000)")
     p.add_argument("--page-sizes", default=str(sqlstore.PAGE_SIZE),
                    help=f"SQLite page sizes ({sqlstore.PAGE_SIZE}, the store's)")
-    p.add_argument("--unused", type=float, default=sqlstore.UNUSED,
-                   help=f"the share of a page a payload's pieces may leave unused "
-                        f"({sqlstore.UNUSED}, the store's; 1: every payload in one row)")
+    p.add_argument("--one-row", action="store_true",
+                   help="every payload in one row of payloads, as schema 3 stored them (an "
+                        "experiment: the store cuts a payload into pieces, sqlstore._cut)")
     args = p.parse_args(argv)
-    sqlstore.UNUSED = args.unused
+    if args.one_row:
+        sqlstore._cut = lambda size, page: (size,)  # type: ignore[assignment]
     sizes = [int(x) for x in args.payloads.split(",")]
     pages = [int(x) for x in args.page_sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="asyncrawl-disk-"))

@@ -19,7 +19,7 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
-from asyncrawl.sqlstore import DB, PAGE_SIZE, _piece_size
+from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import Writer
 
@@ -143,11 +143,11 @@ BIG = ('{"t":"' + "é☃x" * 700 + '"}').encode()  # 4.2 KB: pieces that cut cha
 
 async def test_a_large_payload_is_stored_in_pieces_and_read_back_whole(tmp_path: Path) -> None:
     """A payload that would leave much of its page unused (here 4.2 KB: a page of 8 KiB
-    holds one) takes consecutive rows of ``payloads`` of one size (a cut may fall inside a
-    character); the ``results`` view, the exports and the payloads after it read each one
-    whole; one that fills its pages well, or overflows a page, stays one row."""
-    assert _piece_size(len(BIG), PAGE_SIZE) < len(BIG)
-    assert _piece_size(995, PAGE_SIZE) == 995 and _piece_size(3 * PAGE_SIZE, PAGE_SIZE) == 3 * PAGE_SIZE
+    holds one) takes consecutive rows of ``payloads`` as ``_cut`` cuts it (a cut may fall
+    inside a character); the ``results`` view, the exports and the payloads after it read
+    each one whole; one that fills its pages well stays one row, one over two pages is a
+    head filling whole overflow pages and its tail."""
+    assert len(_cut(len(BIG), PAGE_SIZE)) > 1 and _cut(995, PAGE_SIZE) == (995,)
     huge = b'"' + b"y" * (3 * PAGE_SIZE - 2) + b'"'
     state = tmp_path / "state"
     await committed(state, RECORDS, [
@@ -157,35 +157,62 @@ async def test_a_large_payload_is_stored_in_pieces_and_read_back_whole(tmp_path:
     ])
     sizes = db_rows(state, "SELECT length(data) FROM payloads WHERE id BETWEEN (SELECT payload "
                            "FROM items WHERE id = 'big') AND (SELECT payload + pieces - 1 FROM "
-                           "items WHERE id = 'big')")
-    step = _piece_size(len(BIG), PAGE_SIZE)
-    assert [n for n, in sizes] == [step] * (len(BIG) // step) + [len(BIG) % step] * (len(BIG) % step > 0)
+                           "items WHERE id = 'big') ORDER BY id")
+    assert tuple(n for n, in sizes) == _cut(len(BIG), PAGE_SIZE)
     assert db_rows(state, "SELECT id, pieces FROM items WHERE id IN ('after', 'huge') ORDER BY id") \
-        == [("after", 1), ("huge", 1)]
+        == [("after", 1), ("huge", len(_cut(len(huge), PAGE_SIZE)))]
     assert db_rows(state, "SELECT data FROM results WHERE id = 'big'") == [(BIG.decode(),)]
     ok = {r.id: r.raw for r in read_store(state).records("ok")}
     assert ok["big"] == BIG and ok["after"] == b'{"n":2}' and ok["huge"] == huge
-    assert list(read_store(state).payloads()) == list(ok.items())  # export jsonl's stream
     assert ok["a"] == b'{"title":"\xc3\x9cn\xc3\xafcode \xe2\x98\x83","n":1}'
+    assert list(read_store(state).payloads()) == list(ok.items())  # export jsonl's stream
 
 
-async def test_a_database_of_schema_3_is_read_and_upgraded(tmp_path: Path) -> None:
-    """A state of the release before (each payload one row): read as it is, upgraded by the
-    next run's open, new payloads in pieces; the ``results`` view reads both."""
+def test_payload_cuts_cover_the_payload_and_fill_the_pages() -> None:
+    """``_cut`` covers each payload exactly, in at most 16 rows, and, laid out as SQLite lays
+    out rows (``_cell``) and a crawl appends them (``_packed``), they take at most 10 % more
+    of the file than the payload, + 10 B."""
+    for size in [*range(1, 20_000, 7), *range(20_000, 120_000, 61)]:
+        cut = _cut(size, PAGE_SIZE)
+        assert sum(cut) == size and min(cut) > 0 and len(cut) <= 16, (size, cut)
+        cells = [_cell(n, PAGE_SIZE) for n in cut]
+        taken = (sum(overflow for overflow, _ in cells) * PAGE_SIZE
+                 + _packed([cell for _, cell in cells], PAGE_SIZE, 64))
+        assert taken <= 1.1 * size + 10, (size, cut, taken)
+
+
+@pytest.mark.parametrize("size", [3_000, 13_000, 21_136])
+async def test_payload_pieces_fill_the_pages_of_a_real_database(tmp_path: Path, size: int) -> None:
+    """What ``_cut`` predicts holds in the file: 300 payloads (in one row each, a 3,000-B
+    payload left a third of every page unused, a 13,000-B one and a 21,136-B one a
+    quarter of theirs) take at most 10 % more pages than their bytes."""
     state = tmp_path / "state"
-    await committed(state, RECORDS, [Record("ok", "big", status=200, raw=BIG, paid=1, ts=TS)])
+    body = b'"' + b"z" * (size - 2) + b'"'
+    names = [f"item-{i:05d}" for i in range(300)]
+    await committed(state, RECORDS[:1], [Record.sent(x) for x in names],
+                    [Record("ok", x, status=200, raw=body, paid=1, ts=TS) for x in names])
+    db = sqlite3.connect(state / DB)
+    try:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pages, = db.execute("SELECT count(*) FROM dbstat WHERE name = 'payloads'").fetchone()
+    finally:
+        db.close()
+    assert pages * PAGE_SIZE <= 1.1 * size * len(names), pages
+
+
+async def test_a_reader_opened_before_an_upgrade_reads_payloads_whole(tmp_path: Path) -> None:
+    """``status``/``export`` opened on a state of schema 3 while a run upgrades it and writes
+    payloads in pieces: each query reads the version it is written for in its own snapshot,
+    so no payload comes back as its first piece alone."""
+    state = tmp_path / "state"
+    await committed(state, RECORDS)
     as_schema_3(state / DB)
-    assert db_rows(state, "SELECT count(*) FROM payloads") == [(3,)]
-    assert {r.id: r.raw for r in read_store(state).records("ok")}["big"] == BIG
+    reader = read_store(state)
     await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
-                            Record("ok", "big2", status=200, raw=BIG, paid=1, ts=TS)])
+                            Record("ok", "big", status=200, raw=BIG, paid=1, ts=TS)])
     assert db_rows(state, "PRAGMA user_version") == [(4,)]
-    assert db_rows(state, "SELECT id, pieces FROM items WHERE id LIKE 'big%' ORDER BY id") \
-        == [("big", None), ("big2", -(-len(BIG) // _piece_size(len(BIG), PAGE_SIZE)))]
-    assert db_rows(state, "SELECT id FROM results WHERE data = ? ORDER BY id",
-                   BIG.decode()) == [("big",), ("big2",)]
-    assert {r.id: r.raw for r in read_store(state).records("ok") if r.id.startswith("big")} \
-        == {"big": BIG, "big2": BIG}
+    assert dict(reader.payloads())["big"] == BIG
+    assert {r.id: r.raw for r in reader.records("ok")}["big"] == BIG
 
 
 async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> None:
