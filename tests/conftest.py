@@ -131,55 +131,49 @@ def sends_of(state: Path) -> dict[str, int]:
     return dict(db_rows(state, "SELECT id, sends FROM items WHERE sends > 0"))  # type: ignore[arg-type]
 
 
-WHOLE_PAYLOAD = """(SELECT CAST(group_concat(data, '') AS BLOB) FROM (SELECT data FROM payloads
-    WHERE id BETWEEN items.payload AND items.payload + coalesce(items.pieces, 1) - 1
-    ORDER BY id))"""
+def _rewrite(db_path: Path, script: str) -> None:
+    """Run ``script`` on a state database, in one transaction."""
+    import sqlite3
+
+    db = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        db.executescript(f"BEGIN IMMEDIATE;{script}COMMIT;")
+    finally:
+        db.close()
 
 
 def as_schema_3(db_path: Path) -> None:
     """Make a state database of this release one of schema 3 (each payload one row of
     ``payloads``, never in pieces), as the release before 4 left it."""
-    import sqlite3
-
-    db = sqlite3.connect(db_path, isolation_level=None)
-    try:
-        db.executescript(f"""
-            BEGIN IMMEDIATE;
-            UPDATE items SET data = {WHOLE_PAYLOAD} WHERE payload IS NOT NULL;
-            DELETE FROM payloads;
-            INSERT INTO payloads (id, data) SELECT rowid, data FROM items WHERE payload IS NOT NULL;
-            UPDATE items SET payload = rowid, data = NULL WHERE payload IS NOT NULL;
-            DROP VIEW results;
-            ALTER TABLE items DROP COLUMN pieces;
-            CREATE VIEW results AS
-                SELECT i.id, CASE i.state WHEN 'perm' THEN 'failed' ELSE i.state END AS outcome,
-                       i.status, i.error, i.fetched_at, CAST(coalesce(p.data, i.data) AS TEXT) AS data
-                FROM items i LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL;
-            PRAGMA user_version = 3;
-            COMMIT;""")
-    finally:
-        db.close()
+    _rewrite(db_path, """
+        UPDATE items SET data = (SELECT CAST(group_concat(data, '') AS BLOB) FROM (
+            SELECT data FROM payloads WHERE id BETWEEN items.payload
+            AND items.payload + coalesce(items.pieces, 1) - 1 ORDER BY id))
+            WHERE payload IS NOT NULL;
+        DELETE FROM payloads;
+        INSERT INTO payloads (id, data) SELECT rowid, data FROM items WHERE payload IS NOT NULL;
+        UPDATE items SET payload = rowid, data = NULL WHERE payload IS NOT NULL;
+        DROP VIEW results;
+        ALTER TABLE items DROP COLUMN pieces;
+        CREATE VIEW results AS
+            SELECT i.id, CASE i.state WHEN 'perm' THEN 'failed' ELSE i.state END AS outcome,
+                   i.status, i.error, i.fetched_at, CAST(coalesce(p.data, i.data) AS TEXT) AS data
+            FROM items i LEFT JOIN payloads p ON p.id = i.payload WHERE i.state IS NOT NULL;
+        PRAGMA user_version = 3;""")
 
 
 def as_schema_2(db_path: Path) -> None:
     """Make a state database of this release one of schema 2 (payloads in the item rows, no
     ``payloads`` table), as the release before 3 left it."""
-    import sqlite3
-
-    db = sqlite3.connect(db_path, isolation_level=None)
-    try:
-        db.executescript(f"""
-            BEGIN IMMEDIATE;
-            UPDATE items SET data = {WHOLE_PAYLOAD} WHERE payload IS NOT NULL;
-            DROP VIEW results;
-            ALTER TABLE items DROP COLUMN payload;
-            ALTER TABLE items DROP COLUMN pieces;
-            DROP TABLE payloads;
-            CREATE VIEW results AS
-                SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome,
-                       status, error, fetched_at, CAST(data AS TEXT) AS data
-                FROM items WHERE state IS NOT NULL;
-            PRAGMA user_version = 2;
-            COMMIT;""")
-    finally:
-        db.close()
+    as_schema_3(db_path)
+    _rewrite(db_path, """
+        UPDATE items SET data = (SELECT p.data FROM payloads p WHERE p.id = items.payload)
+            WHERE payload IS NOT NULL;
+        DROP VIEW results;
+        ALTER TABLE items DROP COLUMN payload;
+        DROP TABLE payloads;
+        CREATE VIEW results AS
+            SELECT id, CASE state WHEN 'perm' THEN 'failed' ELSE state END AS outcome,
+                   status, error, fetched_at, CAST(data AS TEXT) AS data
+            FROM items WHERE state IS NOT NULL;
+        PRAGMA user_version = 2;""")
