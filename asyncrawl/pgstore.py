@@ -83,6 +83,7 @@ from .types import Halt
 log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
+IDLE_IN_TRANSACTION = 5.0  # seconds, at least, before the server ends a run's idle transaction
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 # columns added to tables of earlier releases (ALTER TABLE ... ADD COLUMN IF NOT EXISTS)
 LATER_COLUMNS = (
@@ -333,8 +334,7 @@ class PgStore:
         conns: dict[str, Any] = {}
         try:
             for name in names:
-                conns[name] = psycopg.connect(url, autocommit=True, connect_timeout=10,
-                                              application_name=f"asyncrawl {name}")
+                conns[name] = _connect(url, name, lease if for_run else None)
             store = cls(url, job, conns, lease, cooldown)
             if for_run:
                 store._ensure_schema()
@@ -419,13 +419,23 @@ class PgStore:
 
     @contextlib.contextmanager
     def _db(self, name: str, doing: str) -> Iterator[Any]:
-        """A connection, used by one thread at a time; psycopg's errors as ``StorageError``."""
+        """A connection, used by one thread at a time; psycopg's errors as ``StorageError``.
+        One the server closed (``IDLE_IN_TRANSACTION``: the process was stopped inside a
+        transaction) is opened again first: what failed with it failed, what comes after
+        goes on."""
         psycopg = _psycopg()
         with self._locks[name]:
             try:
+                if self._conns[name].closed:
+                    self._reconnect(name)
                 yield self._conns[name]
             except psycopg.Error as e:
                 raise _storage_error(e, self.url, doing) from None
+
+    def _reconnect(self, name: str) -> None:
+        with contextlib.suppress(Exception):
+            self._conns[name].close()
+        self._conns[name] = _connect(self.url, name, self.lease)
 
     # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
 
@@ -823,18 +833,26 @@ class PgStore:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=safe_url(self.url))
         psycopg = _psycopg()
-        db = self._conns["writer"]
         for attempt in range(1, COMMIT_TRIES + 1):
+            committing = False
             try:
-                with self._locks["writer"], db.transaction():
-                    self._refused = set()
-                    self._apply(records)
+                with self._locks["writer"]:
+                    if self._conns["writer"].closed:  # (closed by the server: see below)
+                        self._reconnect("writer")
+                    with self._conns["writer"].transaction():
+                        self._refused = set()
+                        self._apply(records)
+                        committing = True  # (the block's end sends COMMIT)
                 return frozenset(self._refused)
             except psycopg.Error as e:
-                # a deadlock or serialization failure: PostgreSQL rolled the whole transaction
+                # A deadlock or serialization failure: PostgreSQL rolled the whole transaction
                 # back, so the batch is written again from the start (not 40003, "statement
-                # completion unknown": that one may have committed)
-                if e.sqlstate not in ROLLED_BACK or attempt == COMMIT_TRIES:
+                # completion unknown": that one may have committed). So did a transaction
+                # whose connection was lost before its COMMIT was sent: the server ended it
+                # because this process stopped inside it (a stopped VM, SIGSTOP:
+                # ``IDLE_IN_TRANSACTION``), or went away; written again on a new connection.
+                lost = not committing and self._conns["writer"].closed
+                if not (e.sqlstate in ROLLED_BACK or lost) or attempt == COMMIT_TRIES:
                     self._dead = True
                     raise _storage_error(e, self.url, "write the state database") from None
                 log.warning("the state database rolled a commit back (%s, SQLSTATE %s); "
@@ -1016,6 +1034,20 @@ class PgStore:
 
     def __del__(self) -> None:  # a reader that ``status`` / ``export`` dropped: its connections
         self._close_sync()
+
+
+def _connect(url: str, name: str, lease: float | None) -> Any:
+    """A connection of a run (``lease``: its leases' seconds) or of a reader. A run's sessions
+    end when left inside a transaction for a lease's time (at least ``IDLE_IN_TRANSACTION``
+    s): a process stopped there (a paused VM, SIGSTOP) would otherwise keep the row locks of
+    its transaction, and every other process of the job would wait for those IDs for as long
+    as it stays stopped, its leases run out or not."""
+    db = _psycopg().connect(url, autocommit=True, connect_timeout=10,
+                            application_name=f"asyncrawl {name}")
+    if lease is not None:
+        ms = int(max(lease, IDLE_IN_TRANSACTION) * 1000)
+        db.execute(f"SET idle_in_transaction_session_timeout = {ms}")
+    return db
 
 
 def _storage_error(e: Exception, url: str, doing: str) -> StorageError:

@@ -17,9 +17,9 @@ Tables (``records.py`` says what each record means)::
           payload, pieces)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
         failed, perm, unavailable; ``payload`` the first row of ``payloads`` holding the ok
-        payload and ``pieces`` in how many (NULL: one; ``data``: where schema 2 and before kept
-        it, in the row); ``sent_run`` the run
-        whose ``sent`` intent has no outcome yet; ``sends`` the requests ever sent for it;
+        payload and ``pieces`` in how many (NULL: one, written by schema 3; ``data``: where
+        schema 2 and before kept it, in the row); ``sent_run`` the run whose ``sent``
+        intent has no outcome yet; ``sends`` the requests ever sent for it;
         ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
         doubt and fetched ok since: possibly billed twice)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
@@ -513,13 +513,14 @@ class SqliteStore:
         rows: list[tuple[Any, ...]] = []
         stored: list[tuple[int, bytes]] = []
         page = self._page
+        number = _varint_len(n + 16 * len(outcomes))  # the most this batch's row numbers take
         for row in outcomes:
             data = row[8]
             if data is None or row[0] in done:
                 rows.append((*row[:8], None, None))
                 continue
             done.add(row[0])
-            cut = _cut(len(data), page)
+            cut = _cut(len(data), page, number)
             if len(cut) == 1:
                 stored.append((n, data))
                 rows.append((*row[:8], n, 1))
@@ -627,20 +628,23 @@ class SqliteStore:
         or before, upgraded or not, and a run may upgrade the database while this reader is
         open (a query of the version before would read the first piece of a payload alone)."""
         db = self._db
-        own = not db.in_transaction
         with self._reading():
+            # (a run's own store: its writer upgraded the database, and writes on it)
+            own = self._lock_fd < 0 and not db.in_transaction
             if own:
                 db.execute("BEGIN")
             try:
-                version = db.execute("PRAGMA user_version").fetchone()[0]
+                version = db.execute("PRAGMA user_version").fetchone()[0] if own \
+                    else self._version
                 data = (f"CAST({_payload_sql('i', 'p')} AS BLOB)" if version >= 4 else
                         "coalesce(p.data, i.data)" if version >= 3 else "i.data")
                 join = "LEFT JOIN payloads p ON p.id = i.payload" if version >= 3 else ""
                 yield db.execute(f"SELECT {columns}, {data} FROM items i {join} WHERE {where} "
                                  "ORDER BY i.rowid", params)
             finally:
-                if own and db.in_transaction:
-                    db.execute("COMMIT")
+                if own:
+                    with contextlib.suppress(sqlite3.ProgrammingError):  # closed since
+                        db.execute("COMMIT")
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = EXPORT_STATES[outcome]
@@ -807,30 +811,34 @@ def _many(db: sqlite3.Connection, template: str, rows: Sequence[tuple[Any, ...]]
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def _cut(size: int, page: int) -> tuple[int, ...]:
-    """The sizes of the rows of ``payloads`` a payload of ``size`` bytes is stored in; of these,
-    the one whose rows take the fewest bytes of the file (``_row_bytes``), each row counted
-    ``ROW_COST`` bytes more (a row costs the writer ~2 µs, and a reader as much again):
+def _cut(size: int, page: int, number: int = 3) -> tuple[int, ...]:
+    """The sizes of the rows of ``payloads`` a payload of ``size`` bytes is stored in (row
+    numbers of ``number`` bytes): of these, the one whose rows take the fewest bytes of the
+    file, each row counted ``ROW_COST`` bytes more (a row costs the writer ~2 µs, and a
+    reader as much again):
 
-    * one row, or 2 to 16 pieces of one size (``_even``);
+    * (under two pages) one row, or 2 to 16 pieces of one size, costed as ``_row_bytes``
+      (``_even``); (from two pages on) one row;
     * a head that SQLite stores as its least part in the leaf page (~1 KB) and whole
-      overflow pages, then the rest as ``_even`` cuts it. (Not a head that fills a leaf page
-      by itself: a crawl appends a payload's rows one after the other, so the next head
-      would not fit beside its tail, and each tail would keep a page to itself.)
+      overflow pages, then the rest in pieces of one size no larger than that part, costed
+      as a crawl appends them (``_packed``). (Not a head that fills a leaf page by itself:
+      the next payload's head would not fit beside its tail, and each tail would keep a
+      page to itself.)
 
     SQLite keeps a row whole in its leaf page while it fits, so a page holds a whole number
     of rows and the rest of it stays unused: a 3,000-B row two to a page left a quarter of
     each unused (1,192 bytes an ID beyond the payload); three pieces of 1,000 B leave 1 %."""
-    best = _even(size, page) if size < 2 * page else (_row_bytes(size, page) + ROW_COST, (size,))
+    best = (_even(size, page, number) if size < 2 * page else
+            (_row_bytes(size, page, number) + ROW_COST, (size,)))
     least, over = (page - 12) * 32 // 255 - 23, page - 4  # SQLite's least kept in the leaf
     head = least + (size + 5 - least) // over * over - 5  # a record of 5 header bytes + head
     if page - 35 < head + 5 and head < size:  # its rest: pieces no larger than its leaf part
-        overflow, first = _cell(head, page)
+        overflow, first = _cell(head, page, number)
         rest = size - head
         for n in range(-(-rest // least), -(-rest // least) + 4):
             step = -(-rest // n)
             cut = (head, *(step,) * (n - 1), rest - step * (n - 1))
-            cells = [first, *(_cell(n, page)[1] for n in cut[1:])]
+            cells = [first, *(_cell(piece, page, number)[1] for piece in cut[1:])]
             cost = overflow * page + _packed(cells, page) + len(cut) * ROW_COST
             best = min(best, (cost, cut))
     return best[1]
@@ -850,33 +858,34 @@ def _packed(cells: list[int], page: int, payloads: int = 16) -> float:
 
 
 @functools.lru_cache(maxsize=1 << 15)
-def _even(size: int, page: int) -> tuple[float, tuple[int, ...]]:
+def _even(size: int, page: int, number: int) -> tuple[float, tuple[int, ...]]:
     """Of one row and 2 to 16 pieces of one size, the cheapest for ``size`` bytes, and its
     cost (bytes of the file and ``ROW_COST`` a row)."""
-    best = (_row_bytes(size, page) + ROW_COST, (size,))
+    best = (_row_bytes(size, page, number) + ROW_COST, (size,))
     for n in range(2, 17):
         step = -(-size // n)
         last = size - step * (n - 1)
         if last <= 0:
             break
-        cost = (n - 1) * _row_bytes(step, page) + _row_bytes(last, page) + n * ROW_COST
+        cost = ((n - 1) * _row_bytes(step, page, number) + _row_bytes(last, page, number)
+                + n * ROW_COST)
         best = min(best, (cost, (step,) * (n - 1) + (last,)))
     return best
 
 
-def _row_bytes(size: int, page: int) -> float:
+def _row_bytes(size: int, page: int, number: int) -> float:
     """Bytes of the file a row of ``payloads`` holding ``size`` bytes takes where every row is
     like it: its share of a leaf page and its overflow pages (``_cell``)."""
-    overflow, cell = _cell(size, page)
+    overflow, cell = _cell(size, page, number)
     usable = page - 8  # a leaf page less its header
     return usable / (usable // cell) + overflow * page
 
 
-def _cell(size: int, page: int) -> tuple[int, int]:
-    """A row of ``payloads`` holding ``size`` bytes as SQLite lays it out: its overflow pages,
-    and the bytes of its leaf page it takes (the cell: the record's length and the row's
-    number, what of the record stays in the leaf page, the pointer to the first overflow
-    page; and the page's pointer to the cell)."""
+def _cell(size: int, page: int, number: int) -> tuple[int, int]:
+    """A row of ``payloads`` holding ``size`` bytes, its number taking ``number`` bytes, as
+    SQLite lays it out: its overflow pages, and the bytes of its leaf page it takes (the cell:
+    the record's length and the row's number, what of the record stays in the leaf page, the
+    pointer to the first overflow page; and the page's pointer to the cell)."""
     record = size + 2 + _varint_len(2 * size + 12)  # header: its length, NULL (the row id), type
     most, least = page - 35, (page - 12) * 32 // 255 - 23
     local, overflow = record, 0
@@ -885,11 +894,12 @@ def _cell(size: int, page: int) -> tuple[int, int]:
         if local > most:
             local = least
         overflow = -(-(record - local) // (page - 4))
-    return overflow, _varint_len(record) + 3 + local + (4 if overflow else 0) + 2
+    return overflow, _varint_len(record) + number + local + (4 if overflow else 0) + 2
 
 
 def _varint_len(n: int) -> int:
-    return 1 if n < 0x80 else 2 if n < 0x4000 else 3 if n < 0x200000 else 4
+    """Bytes of SQLite's variable-length integer for ``n`` >= 0."""
+    return next((k for k in range(1, 9) if n < 1 << 7 * k), 9)
 
 
 def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:

@@ -35,7 +35,8 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            ``failed`` or ``unavailable`` (each such ID's latest outcome record)
 ``ids(outcome)``           the IDs of ``records(outcome)``, a block (list) at a time
 ``payloads()``             stream ``(id, payload)`` for the ``ok`` IDs, the payload as stored (JSON,
-                          UTF-8 bytes), in ``records("ok")``'s order
+                           UTF-8 bytes; None where the ok record kept none), in
+                           ``records("ok")``'s order
 ``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off
 ``close()``                release the lock and the files (awaitable)
 =========================  ==========================================================================

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import os
 import signal
 import subprocess
@@ -719,6 +720,46 @@ def test_a_commit_rolled_back_by_a_deadlock_is_written_again(job: str) -> None:
             assert not writer.is_alive() and errors == []
             rows = dict(other_rows(job))
             assert rows == {"a": 1, "b": 1}  # written once, by the second try
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_process_stopped_inside_a_transaction_keeps_no_ids_locked(
+        job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped inside its writer's transaction (a paused VM, SIGSTOP) would keep that
+    transaction's row locks for as long as it stays stopped, and every other process would
+    wait for those IDs: the server ends such a session after a lease's time (here 0.5 s), so
+    the IDs can be claimed again; once the run goes on, its writer writes its next batch on
+    a new connection."""
+    import psycopg
+
+    from asyncrawl import pgstore
+    from asyncrawl.records import Record
+
+    monkeypatch.setattr(pgstore, "IDLE_IN_TRANSACTION", 0.5)
+
+    async def go() -> None:
+        store = await pgstore.PgStore.open(PG, job, lease=0.5)
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            await store.merge(["a", "b"])
+            assert await store.take_in() == 2
+            writer = store._conns["writer"]
+            other = psycopg.connect(PG, autocommit=True)
+            with contextlib.suppress(psycopg.Error), writer.transaction():  # stopped inside
+                writer.execute("UPDATE asyncrawl_items SET sends = sends WHERE job = %s AND "
+                               "id = 'a'", (job,))
+                deadline = time.monotonic() + 30
+                while not other.execute("SELECT id FROM asyncrawl_items WHERE job = %s AND "
+                                        "id = 'a' FOR UPDATE SKIP LOCKED", (job,)).fetchall():
+                    assert time.monotonic() < deadline, "the stopped transaction kept its lock"
+                    await asyncio.sleep(0.05)
+            other.close()
+            assert writer.closed
+            store.commit([Record.sent("a"), Record.sent("b")])  # it goes on
+            assert dict(other_rows(job)) == {"a": 1, "b": 1}
         finally:
             await store.close()
 

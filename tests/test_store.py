@@ -168,29 +168,40 @@ async def test_a_large_payload_is_stored_in_pieces_and_read_back_whole(tmp_path:
     assert list(read_store(state).payloads()) == list(ok.items())  # export jsonl's stream
 
 
-def test_payload_cuts_cover_the_payload_and_fill_the_pages() -> None:
+@pytest.mark.parametrize("number", [2, 3, 4])  # row numbers from 128 to 268 M
+def test_payload_cuts_cover_the_payload_and_fill_the_pages(number: int) -> None:
     """``_cut`` covers each payload exactly, in at most 16 rows, and, laid out as SQLite lays
-    out rows (``_cell``) and a crawl appends them (``_packed``), they take at most 10 % more
-    of the file than the payload, + 10 B."""
+    out rows (``_cell``, row numbers of ``number`` bytes) and a crawl appends them
+    (``_packed``), they take at most 10 % more of the file than the payload, + 10 B."""
     for size in [*range(1, 20_000, 7), *range(20_000, 120_000, 61)]:
-        cut = _cut(size, PAGE_SIZE)
+        cut = _cut(size, PAGE_SIZE, number)
         assert sum(cut) == size and min(cut) > 0 and len(cut) <= 16, (size, cut)
-        cells = [_cell(n, PAGE_SIZE) for n in cut]
+        cells = [_cell(n, PAGE_SIZE, number) for n in cut]
         taken = (sum(overflow for overflow, _ in cells) * PAGE_SIZE
                  + _packed([cell for _, cell in cells], PAGE_SIZE, 64))
         assert taken <= 1.1 * size + 10, (size, cut, taken)
 
 
-@pytest.mark.parametrize("size", [3_000, 13_000, 21_136])
-async def test_payload_pieces_fill_the_pages_of_a_real_database(tmp_path: Path, size: int) -> None:
+@pytest.mark.parametrize(("size", "first"), [(3_000, 1), (13_000, 1), (21_136, 1),
+                                             (4_081, 2_097_152), (8_161, 2_097_152)])
+async def test_payload_pieces_fill_the_pages_of_a_real_database(tmp_path: Path, size: int,
+                                                                first: int) -> None:
     """What ``_cut`` predicts holds in the file: 300 payloads (in one row each, a 3,000-B
-    payload left a third of every page unused, a 13,000-B one and a 21,136-B one a
-    quarter of theirs) take at most 10 % more pages than their bytes."""
+    payload left a third of every page unused, a 13,000-B one and a 21,136-B one a quarter
+    of theirs) take at most 10 % more pages than their bytes; also where the payloads' row
+    numbers take 4 bytes (from 2,097,152 on), which fit one row fewer in a page."""
     state = tmp_path / "state"
     body = b'"' + b"z" * (size - 2) + b'"'
     names = [f"item-{i:05d}" for i in range(300)]
+    await committed(state, RECORDS[:1])
+    if first > 1:  # a job that has stored that many payload rows before
+        db = sqlite3.connect(state / DB)
+        db.execute("INSERT INTO payloads (id, data) VALUES (?, x'00')", (first - 1,))
+        db.commit()
+        db.close()
     await committed(state, RECORDS[:1], [Record.sent(x) for x in names],
                     [Record("ok", x, status=200, raw=body, paid=1, ts=TS) for x in names])
+    assert db_rows(state, "SELECT min(payload) FROM items") == [(first,)]
     db = sqlite3.connect(state / DB)
     try:
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -213,6 +224,23 @@ async def test_a_reader_opened_before_an_upgrade_reads_payloads_whole(tmp_path: 
     assert db_rows(state, "PRAGMA user_version") == [(4,)]
     assert dict(reader.payloads())["big"] == BIG
     assert {r.id: r.raw for r in reader.records("ok")}["big"] == BIG
+
+
+async def test_a_run_s_own_store_commits_while_its_payloads_are_read(tmp_path: Path) -> None:
+    """``records``/``payloads`` of a store opened for a run take no read transaction of their
+    own on the writer's connection: a commit in the middle of reading them goes through."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    try:
+        store.commit(RECORDS)
+        reading = store.payloads()
+        assert next(reading)[0] == "a"
+        store.commit([Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS)])
+        assert "d/ü" in [item for item, _ in reading]  # (it may see "e": one connection)
+        assert {r.id for r in store.records("ok")} == {"a", "d/ü", "e"}
+        store.commit([Record("ok", "f", status=200, data={"f": 1}, paid=1, ts=TS)])
+    finally:
+        await store.close()
 
 
 async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> None:
