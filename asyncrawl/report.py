@@ -7,10 +7,12 @@ going meanwhile. Exports stream: memory never holds the payloads.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import itertools
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -209,36 +211,37 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
 def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -> int:
     """``{"id": ..., "data": ...}`` lines, the payload spliced in as stored (it is the JSON the
     API sent, and it parsed) rather than parsed and serialised again; to the binary stream
-    under ``out`` when there is one."""
+    under ``out`` when there is one. A line's parts are joined once, with its block's."""
     binary = getattr(out, "buffer", None)
     if binary is not None:
         out.flush()
     dumps = orjson.dumps
     n = size = 0
-    lines: list[bytes] = []
+    parts: list[bytes] = []
     for item, raw in payloads:
+        n += 1
         if raw is None or b"\n" in raw or b"\r" in raw:
             line = dumps({"id": item, "data": orjson.loads(raw) if raw else None}) + b"\n"
+            parts.append(line)
+            size += len(line)
         else:
-            line = b'{"id":' + dumps(item) + b',"data":' + raw.strip() + b"}\n"
-        lines.append(line)
-        size += len(line)
+            parts += (b'{"id":', dumps(item), b',"data":', raw.strip(), b"}\n")
+            size += len(raw)
         if size >= 1 << 18:  # written in blocks of 256 KiB: memory stays flat
-            n += _put(lines, out, binary)
+            _put(parts, out, binary)
             size = 0
-    return n + _put(lines, out, binary)
+    _put(parts, out, binary)
+    return n
 
 
-def _put(lines: list[bytes], out: TextIO, binary: Any) -> int:
-    n = len(lines)
-    if n:
-        data = b"".join(lines)
+def _put(parts: list[bytes], out: TextIO, binary: Any) -> None:
+    if parts:
+        data = b"".join(parts)
         if binary is not None:
             binary.write(data)
         else:
             out.write(data.decode("utf-8"))
-        lines.clear()
-    return n
+        parts.clear()
 
 
 def _write_ids(blocks: Iterator[list[str]], out: TextIO) -> int:
@@ -257,7 +260,7 @@ def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
     except OSError as e:
         raise output_error(e, target) from None
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f, _synced_meanwhile(fd):
             n = write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -268,6 +271,30 @@ def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
             raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
         raise
     return n
+
+
+@contextlib.contextmanager
+def _synced_meanwhile(fd: int, every: float = 0.25) -> Iterator[None]:
+    """While the body writes to ``fd``, a thread of its own syncs what is written so far every
+    ``every`` s, so that the disk writes while the export reads and formats, and the last
+    fsync has little left: a 1-GB export took 5.7-6.1 s to a file against 3.4 s to
+    /dev/null, most of the difference its final fsync."""
+    done = threading.Event()
+
+    def sync() -> None:
+        while not done.wait(every):
+            try:
+                os.fdatasync(fd)
+            except OSError:  # (the body's own writes and fsync report the disk's errors)
+                return
+
+    thread = threading.Thread(target=sync, name="asyncrawl-export-sync", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 _MISSING = object()
