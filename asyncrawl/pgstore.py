@@ -83,7 +83,7 @@ from .types import Halt
 log = logging.getLogger("asyncrawl")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
-IDLE_IN_TRANSACTION = 5.0  # seconds, at least, before the server ends a run's idle transaction
+IDLE_IN_TRANSACTION = 10.0  # seconds before the server ends a run's transaction left idle
 HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 # columns added to tables of earlier releases (ALTER TABLE ... ADD COLUMN IF NOT EXISTS)
 LATER_COLUMNS = (
@@ -334,7 +334,7 @@ class PgStore:
         conns: dict[str, Any] = {}
         try:
             for name in names:
-                conns[name] = _connect(url, name, lease if for_run else None)
+                conns[name] = _connect(url, name, for_run)
             store = cls(url, job, conns, lease, cooldown)
             if for_run:
                 store._ensure_schema()
@@ -421,12 +421,12 @@ class PgStore:
     def _db(self, name: str, doing: str) -> Iterator[Any]:
         """A connection, used by one thread at a time; psycopg's errors as ``StorageError``.
         One the server closed (``IDLE_IN_TRANSACTION``: the process was stopped inside a
-        transaction) is opened again first: what failed with it failed, what comes after
-        goes on."""
+        transaction; or the server went away) is opened again first: what failed with it
+        failed, what comes after goes on."""
         psycopg = _psycopg()
         with self._locks[name]:
             try:
-                if self._conns[name].closed:
+                if self._conns[name].broken:
                     self._reconnect(name)
                 yield self._conns[name]
             except psycopg.Error as e:
@@ -435,7 +435,7 @@ class PgStore:
     def _reconnect(self, name: str) -> None:
         with contextlib.suppress(Exception):
             self._conns[name].close()
-        self._conns[name] = _connect(self.url, name, self.lease)
+        self._conns[name] = _connect(self.url, name, "writer" in self._conns)  # (a run's)
 
     # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
 
@@ -497,15 +497,14 @@ class PgStore:
         # lock them in one order, never in a cycle
         rows = sorted((self.job_name, _digest(block), len(block), block) for block in blocks)
         with self._db("work", "add IDs to the job") as db, db.transaction():
-            cur = db.cursor()
-            cur.executemany("INSERT INTO asyncrawl_blocks (job, digest, n, ids) "
-                            "VALUES (%s, %b, %b, %b) ON CONFLICT DO NOTHING RETURNING n",
-                            rows, returning=True)
             added = 0
-            while True:
-                added += sum(row[0] for row in cur.fetchall())
-                if not cur.nextset():
-                    return added
+            for row in rows:  # (a statement each, not executemany's pipeline: the server's
+                # idle-in-transaction timeout does not run while a pipeline is open)
+                got = db.execute("INSERT INTO asyncrawl_blocks (job, digest, n, ids) "
+                                 "VALUES (%s, %b, %b, %b) ON CONFLICT DO NOTHING RETURNING n",
+                                 row).fetchone()
+                added += got[0] if got else 0
+            return added
 
     async def take_in(self) -> int:
         """Take in every block of the job not taken in yet (what claims do, a block at a time,
@@ -837,7 +836,7 @@ class PgStore:
             committing = False
             try:
                 with self._locks["writer"]:
-                    if self._conns["writer"].closed:  # (closed by the server: see below)
+                    if self._conns["writer"].broken:  # (closed by the server: see below)
                         self._reconnect("writer")
                     with self._conns["writer"].transaction():
                         self._refused = set()
@@ -851,7 +850,7 @@ class PgStore:
                 # whose connection was lost before its COMMIT was sent: the server ended it
                 # because this process stopped inside it (a stopped VM, SIGSTOP:
                 # ``IDLE_IN_TRANSACTION``), or went away; written again on a new connection.
-                lost = not committing and self._conns["writer"].closed
+                lost = not committing and self._conns["writer"].broken
                 if not (e.sqlstate in ROLLED_BACK or lost) or attempt == COMMIT_TRIES:
                     self._dead = True
                     raise _storage_error(e, self.url, "write the state database") from None
@@ -1036,17 +1035,17 @@ class PgStore:
         self._close_sync()
 
 
-def _connect(url: str, name: str, lease: float | None) -> Any:
-    """A connection of a run (``lease``: its leases' seconds) or of a reader. A run's sessions
-    end when left inside a transaction for a lease's time (at least ``IDLE_IN_TRANSACTION``
-    s): a process stopped there (a paused VM, SIGSTOP) would otherwise keep the row locks of
-    its transaction, and every other process of the job would wait for those IDs for as long
-    as it stays stopped, its leases run out or not."""
+def _connect(url: str, name: str, run: bool) -> Any:
+    """A connection of a run or of a reader. A run's sessions end when left inside a
+    transaction for ``IDLE_IN_TRANSACTION`` s (none of its transactions waits between its
+    statements): a process stopped there (a paused VM, SIGSTOP) would otherwise keep the row
+    locks of its transaction, and every other process of the job would wait for those IDs
+    (or, for the job's row, with their heartbeats) for as long as it stays stopped."""
     db = _psycopg().connect(url, autocommit=True, connect_timeout=10,
                             application_name=f"asyncrawl {name}")
-    if lease is not None:
-        ms = int(max(lease, IDLE_IN_TRANSACTION) * 1000)
-        db.execute(f"SET idle_in_transaction_session_timeout = {ms}")
+    if run:
+        db.execute("SET idle_in_transaction_session_timeout = "
+                   f"{int(IDLE_IN_TRANSACTION * 1000)}")
     return db
 
 

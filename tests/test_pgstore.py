@@ -730,9 +730,9 @@ def test_a_process_stopped_inside_a_transaction_keeps_no_ids_locked(
         job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped inside its writer's transaction (a paused VM, SIGSTOP) would keep that
     transaction's row locks for as long as it stays stopped, and every other process would
-    wait for those IDs: the server ends such a session after a lease's time (here 0.5 s), so
-    the IDs can be claimed again; once the run goes on, its writer writes its next batch on
-    a new connection."""
+    wait for those IDs: the server ends such a session after ``IDLE_IN_TRANSACTION`` (here
+    0.5 s), so the IDs can be claimed again; once the run goes on, its writer writes its next
+    batch on a new connection, and a batch it was stopped in the middle of again."""
     import psycopg
 
     from asyncrawl import pgstore
@@ -757,8 +757,26 @@ def test_a_process_stopped_inside_a_transaction_keeps_no_ids_locked(
                     assert time.monotonic() < deadline, "the stopped transaction kept its lock"
                     await asyncio.sleep(0.05)
             other.close()
-            assert writer.closed
-            store.commit([Record.sent("a"), Record.sent("b")])  # it goes on
+            assert writer.broken
+            store.commit([Record.sent("a")])  # it goes on, on a new connection
+            # stopped between two statements of the writer's own transaction: the batch is
+            # written again, once, on a new connection (nothing of it was committed)
+            stalls: list[int] = []
+            apply = store._apply
+
+            def stalled(records: Any) -> None:
+                if not stalls:
+                    stalls.append(store._conns["writer"].info.backend_pid)
+                    store._conns["writer"].execute("SELECT 1")  # (the transaction is begun)
+                    deadline = time.monotonic() + 30
+                    while pg_rows("SELECT 1 FROM pg_stat_activity WHERE pid = %s", stalls[0]):
+                        assert time.monotonic() < deadline, "the session was never ended"
+                        time.sleep(0.05)
+                apply(records)
+
+            store._apply = stalled  # type: ignore[method-assign]
+            store.commit([Record.sent("b")])
+            assert len(stalls) == 1 and store._conns["writer"].info.backend_pid != stalls[0]
             assert dict(other_rows(job)) == {"a": 1, "b": 1}
         finally:
             await store.close()
