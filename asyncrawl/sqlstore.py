@@ -521,13 +521,8 @@ class SqliteStore:
                 continue
             done.add(row[0])
             cut = _cut(len(data), page, number)
-            if len(cut) == 1:
-                stored.append((n, data))
-                rows.append((*row[:8], n, 1))
-                n += 1
-                continue
             at = 0
-            for piece in cut:
+            for piece in cut:  # (one piece: data[0:len] is data itself, not a copy)
                 stored.append((n, data[at:at + piece]))
                 at += piece
                 n += 1
@@ -830,9 +825,10 @@ def _cut(size: int, page: int, number: int = 3) -> tuple[int, ...]:
     each unused (1,192 bytes an ID beyond the payload); three pieces of 1,000 B leave 1 %."""
     best = (_even(size, page, number) if size < 2 * page else
             (_row_bytes(size, page, number) + ROW_COST, (size,)))
-    least, over = (page - 12) * 32 // 255 - 23, page - 4  # SQLite's least kept in the leaf
+    most, least = _leaf_part(page)
+    over = page - 4  # an overflow page's room
     head = least + (size + 5 - least) // over * over - 5  # a record of 5 header bytes + head
-    if page - 35 < head + 5 and head < size:  # its rest: pieces no larger than its leaf part
+    if most < head + 5 and head < size:  # its rest: pieces no larger than its leaf part
         overflow, first = _cell(head, page, number)
         rest = size - head
         for n in range(-(-rest // least), -(-rest // least) + 4):
@@ -887,7 +883,7 @@ def _cell(size: int, page: int, number: int) -> tuple[int, int]:
     the record's length and the row's number, what of the record stays in the leaf page, the
     pointer to the first overflow page; and the page's pointer to the cell)."""
     record = size + 2 + _varint_len(2 * size + 12)  # header: its length, NULL (the row id), type
-    most, least = page - 35, (page - 12) * 32 // 255 - 23
+    most, least = _leaf_part(page)
     local, overflow = record, 0
     if record > most:
         local = least + (record - least) % (page - 4)
@@ -895,6 +891,12 @@ def _cell(size: int, page: int, number: int) -> tuple[int, int]:
             local = least
         overflow = -(-(record - local) // (page - 4))
     return overflow, _varint_len(record) + number + local + (4 if overflow else 0) + 2
+
+
+def _leaf_part(page: int) -> tuple[int, int]:
+    """The most of a record SQLite keeps whole in a table's leaf page, and the least it keeps
+    there of one that overflows."""
+    return page - 35, (page - 12) * 32 // 255 - 23
 
 
 def _varint_len(n: int) -> int:
