@@ -62,9 +62,9 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .config import PG_SCHEMES, endpoint_of
 from .errors import ConfigError, StorageError, require_extra
@@ -81,6 +81,7 @@ from .records import (
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
+T = TypeVar("T")
 
 LEASE = 30.0  # seconds a claim holds its IDs without a heartbeat
 IDLE_IN_TRANSACTION = 10.0  # seconds before the server ends a run's transaction left idle
@@ -300,6 +301,15 @@ class PgStore:
         self._day = (-1, "")
         self._refused: set[str] = set()  # IDs whose intent the commit under way refused
         self._locks = {name: threading.Lock() for name in conns}
+        self._for_run = "writer" in conns  # (a run's connections, not a reader's)
+        # a transaction's ID, and its status once its connection was lost (PostgreSQL 13+;
+        # before: the txid_* functions)
+        if conns and next(iter(conns.values())).info.server_version < 130000:
+            self._xact_id, self._xact_status = ("SELECT txid_current()::text",
+                                                "SELECT txid_status(%s::bigint)")
+        else:
+            self._xact_id, self._xact_status = ("SELECT pg_current_xact_id()::text",
+                                                "SELECT pg_xact_status(%s::xid8)")
         self.job: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -435,7 +445,7 @@ class PgStore:
     def _reconnect(self, name: str) -> None:
         with contextlib.suppress(Exception):
             self._conns[name].close()
-        self._conns[name] = _connect(self.url, name, "writer" in self._conns)  # (a run's)
+        self._conns[name] = _connect(self.url, name, self._for_run)
 
     # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
 
@@ -723,16 +733,16 @@ class PgStore:
     async def grant_budget(self, want: int, limit: int) -> int:
         """Up to ``want`` billable calls for this run out of the job's budget of ``limit``
         per generation (``--max-requests`` of a shared job); how many it got."""
-        def go() -> int:
-            with self._db("control", "take from the job's budget") as db, db.transaction():
-                taken, gen = db.execute("SELECT budget_taken, budget_gen FROM asyncrawl_jobs "
-                                        "WHERE job = %s FOR UPDATE", (self.job_name,)).fetchone()
-                taken = (taken or 0) if gen == self._gen else 0
-                got = max(0, min(want, limit - taken))
-                db.execute("UPDATE asyncrawl_jobs SET budget_taken = %s, budget_gen = %s "
-                           "WHERE job = %s", (taken + got, self._gen, self.job_name))
+        def grant(db: Any) -> int:
+            taken, gen = db.execute("SELECT budget_taken, budget_gen FROM asyncrawl_jobs "
+                                    "WHERE job = %s FOR UPDATE", (self.job_name,)).fetchone()
+            taken = (taken or 0) if gen == self._gen else 0
+            got = max(0, min(want, limit - taken))
+            db.execute("UPDATE asyncrawl_jobs SET budget_taken = %s, budget_gen = %s "
+                       "WHERE job = %s", (taken + got, self._gen, self.job_name))
             return got
-        return await asyncio.to_thread(go)
+        return await asyncio.to_thread(self._transaction, "control",
+                                       "take from the job's budget", grant)
 
     async def return_budget(self, unspent: int) -> None:
         """Give back what this run was granted and did not spend."""
@@ -831,32 +841,72 @@ class PgStore:
         if self._dead:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=safe_url(self.url))
+
+        def write(db: Any) -> frozenset[str]:
+            self._refused = set()
+            self._apply(records)
+            return frozenset(self._refused)
+
+        try:
+            return self._transaction("writer", "write the state database", write)
+        except StorageError:
+            self._dead = True
+            raise
+
+    def _transaction(self, name: str, doing: str, work: Callable[[Any], T]) -> T:
+        """``work(db)`` in one transaction on connection ``name``, and its result once committed.
+        Done again where PostgreSQL rolled it back (a deadlock or a serialization failure; not
+        40003, "statement completion unknown") or where the connection was lost before its
+        COMMIT was sent (the server ended it because this process stopped inside it, a paused
+        VM or SIGSTOP: ``IDLE_IN_TRANSACTION``; or the server went away and is back): nothing of
+        it was committed. Where the connection was lost with the COMMIT under way, the server
+        says whether it took effect (``_took_effect``): done, or done again, never twice."""
         psycopg = _psycopg()
         for attempt in range(1, COMMIT_TRIES + 1):
-            committing = False
-            try:
-                with self._locks["writer"]:
-                    if self._conns["writer"].broken:  # (closed by the server: see below)
-                        self._reconnect("writer")
-                    with self._conns["writer"].transaction():
-                        self._refused = set()
-                        self._apply(records)
+            with self._locks[name]:
+                xid, committing = None, False
+                try:
+                    if self._conns[name].broken:
+                        self._reconnect(name)
+                    db = self._conns[name]
+                    with db.transaction():
+                        xid = db.execute(self._xact_id).fetchone()[0]
+                        result = work(db)
                         committing = True  # (the block's end sends COMMIT)
-                return frozenset(self._refused)
-            except psycopg.Error as e:
-                # A deadlock or serialization failure: PostgreSQL rolled the whole transaction
-                # back, so the batch is written again from the start (not 40003, "statement
-                # completion unknown": that one may have committed). So did a transaction
-                # whose connection was lost before its COMMIT was sent: the server ended it
-                # because this process stopped inside it (a stopped VM, SIGSTOP:
-                # ``IDLE_IN_TRANSACTION``), or went away; written again on a new connection.
-                lost = not committing and self._conns["writer"].broken
-                if not (e.sqlstate in ROLLED_BACK or lost) or attempt == COMMIT_TRIES:
-                    self._dead = True
-                    raise _storage_error(e, self.url, "write the state database") from None
-                log.warning("the state database rolled a commit back (%s, SQLSTATE %s); "
-                            "writing it again", type(e).__name__, e.sqlstate)
-                time.sleep(0.05 * attempt)
+                    return result
+                except psycopg.Error as e:
+                    lost = self._conns[name].broken
+                    took = self._took_effect(name, xid) if lost and committing else False
+                    if took:
+                        log.warning("the connection to the state database was lost while it "
+                                    "committed (%s); the server says it committed", name)
+                        return result
+                    if took is None or not (e.sqlstate in ROLLED_BACK or lost) \
+                            or attempt == COMMIT_TRIES:
+                        raise _storage_error(e, self.url, doing) from None
+                    log.warning("the state database %s (%s, SQLSTATE %s); writing it again",
+                                "lost a transaction: this process was held up inside it, or "
+                                "the connection broke" if lost else "rolled a commit back",
+                                type(e).__name__, e.sqlstate)
+            time.sleep(0.05 * attempt)
+        raise AssertionError("unreachable")
+
+    def _took_effect(self, name: str, xid: str | None) -> bool | None:
+        """Whether the transaction ``xid``, whose connection was lost with its COMMIT under way,
+        committed (``None``: unknown: no new connection, or the server still has it in progress
+        after ``IDLE_IN_TRANSACTION`` + 5 s, when it ends a session left idle in one)."""
+        if xid is None:
+            return None
+        status = None
+        deadline = time.monotonic() + IDLE_IN_TRANSACTION + 5
+        with contextlib.suppress(_psycopg().Error):
+            self._reconnect(name)
+            while True:
+                status = self._conns[name].execute(self._xact_status, (xid,)).fetchone()[0]
+                if status != "in progress" or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        return {"committed": True, "aborted": False}.get(status or "")
 
     def _apply(self, records: Sequence[Record]) -> None:
         for part in in_order_parts(records):  # (see records.in_order_parts)

@@ -115,7 +115,7 @@ CREATE VIEW results AS
 ALTER TABLE items ADD COLUMN pieces INTEGER;
 DROP VIEW results;
 """ + RESULTS_VIEW}
-CHUNK = 900  # IDs per lookup statement
+CHUNK = 900  # IDs per block read (``unsettled``)
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
 
@@ -352,10 +352,14 @@ class SqliteStore:
     def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None]], int]:
         db = self._reader
         assert db is not None, "admit() needs a store opened for a run"
-        with self._reading():
-            new = {row[0] for row in db.execute(
-                "INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
-                "ON CONFLICT DO NOTHING RETURNING id", (orjson.dumps(ids).decode(),))}
+        chunk = orjson.dumps(ids).decode()
+        with self._reading():  # (the new ones as one JSON array: one step of SQLite, not one
+            #                     a row, each giving the GIL back and taking it again)
+            new = set(orjson.loads(db.execute(
+                "SELECT json_group_array(value) FROM json_each(?) "
+                "WHERE value NOT IN (SELECT id FROM seen)", (chunk,)).fetchone()[0]))
+            db.execute("INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
+                       "ON CONFLICT DO NOTHING", (chunk,))
         fresh, dups, taken = [], 0, set()
         for item in ids:
             if item in new and item not in taken:
@@ -905,13 +909,15 @@ def _varint_len(n: int) -> int:
 
 
 def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:
-    """The state of each of ``ids`` that has one (``CHUNK`` IDs a statement)."""
-    out: dict[str, str] = {}
-    for i in range(0, len(ids), CHUNK):
-        part = ids[i:i + CHUNK]
-        out.update(db.execute("SELECT id, state FROM items WHERE state IS NOT NULL AND id IN "
-                              f"({','.join('?' * len(part))})", part))
-    return out
+    """The state of each of ``ids`` that has one, as one JSON object: one step of SQLite (a
+    row a step would give the GIL back and take it again for each, while the event loop
+    needs it)."""
+    if not ids:
+        return {}
+    found: dict[str, str] = orjson.loads(db.execute(
+        "SELECT json_group_object(id, state) FROM items WHERE state IS NOT NULL "
+        "AND id IN (SELECT value FROM json_each(?))", (orjson.dumps(ids).decode(),)).fetchone()[0])
+    return found
 
 
 def _same_file(a: Any, b: dict[str, Any]) -> bool:

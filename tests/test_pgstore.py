@@ -778,6 +778,70 @@ def test_a_process_stopped_inside_a_transaction_keeps_no_ids_locked(
             store.commit([Record.sent("b")])
             assert len(stalls) == 1 and store._conns["writer"].info.backend_pid != stalls[0]
             assert dict(other_rows(job)) == {"a": 1, "b": 1}
+            # stopped after its batch's last statement, before its COMMIT reached the server
+            # (which ended the session meanwhile): the server says it did not commit, and
+            # the batch is written again, once
+            def stalled_at_commit(records: Any) -> None:
+                apply(records)
+                if len(stalls) == 1:
+                    stalls.append(store._conns["writer"].info.backend_pid)
+                    deadline = time.monotonic() + 30
+                    while pg_rows("SELECT 1 FROM pg_stat_activity WHERE pid = %s", stalls[1]):
+                        assert time.monotonic() < deadline, "the session was never ended"
+                        time.sleep(0.05)
+
+            store._apply = stalled_at_commit  # type: ignore[method-assign]
+            store.commit([Record.sent("a")])
+            assert len(stalls) == 2 and store._conns["writer"].info.backend_pid != stalls[1]
+            assert dict(other_rows(job)) == {"a": 2, "b": 1}
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def test_a_commit_whose_answer_was_lost_is_asked_about_not_written_twice(job: str) -> None:
+    """The connection lost after the server committed a batch, before its answer arrived: the
+    writer asks the server (on a new connection) whether that transaction committed, and does
+    not write the batch again; the same for a grant of the job's budget (the loss is
+    simulated on the client's side: the connection is closed once the COMMIT is answered)."""
+    import psycopg
+
+    from asyncrawl import pgstore
+    from asyncrawl.records import Record
+
+    class AnswerLost:
+        """The writer's connection, lost right after each transaction commits."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn, self.broken = conn, False
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.conn, name)
+
+        @contextlib.contextmanager
+        def transaction(self) -> Iterator[Any]:
+            with self.conn.transaction() as t:
+                yield t
+            self.broken = True
+            self.conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    async def go() -> None:
+        store = await pgstore.PgStore.open(PG, job)
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            await store.merge(["a"])
+            assert await store.take_in() == 1
+            store._conns["writer"] = AnswerLost(store._conns["writer"])
+            assert store.commit([Record.sent("a")]) == frozenset()
+            assert not isinstance(store._conns["writer"], AnswerLost)  # a new connection
+            assert dict(other_rows(job)) == {"a": 1}
+            store._conns["control"] = AnswerLost(store._conns["control"])
+            assert await store.grant_budget(5, 8) == 5
+            assert await store.grant_budget(5, 8) == 3
+            assert pg_rows("SELECT budget_taken FROM asyncrawl_jobs WHERE job = %s",
+                           job) == [(8,)]
         finally:
             await store.close()
 
