@@ -302,6 +302,7 @@ class PgStore:
         self._refused: set[str] = set()  # IDs whose intent the commit under way refused
         self._locks = {name: threading.Lock() for name in conns}
         self._for_run = "writer" in conns  # (a run's connections, not a reader's)
+        self._stale: set[str] = set()  # connections lost and not made again yet
         # a transaction's ID, and its status once its connection was lost (PostgreSQL 13+;
         # before: the txid_* functions)
         if conns and next(iter(conns.values())).info.server_version < 130000:
@@ -436,16 +437,22 @@ class PgStore:
         psycopg = _psycopg()
         with self._locks[name]:
             try:
-                if self._conns[name].broken:
+                if self._lost(name):
                     self._reconnect(name)
                 yield self._conns[name]
             except psycopg.Error as e:
                 raise _storage_error(e, self.url, doing) from None
 
     def _reconnect(self, name: str) -> None:
+        self._stale.add(name)  # (until a new connection is made: a failed connect is retried)
         with contextlib.suppress(Exception):
             self._conns[name].close()
         self._conns[name] = _connect(self.url, name, self._for_run)
+        self._stale.discard(name)
+
+    def _lost(self, name: str) -> bool:
+        """The connection was lost (closed by the server, or not made again yet)."""
+        return self._conns[name].broken or name in self._stale
 
     # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
 
@@ -866,7 +873,7 @@ class PgStore:
             with self._locks[name]:
                 xid, committing = None, False
                 try:
-                    if self._conns[name].broken:
+                    if self._lost(name):
                         self._reconnect(name)
                     db = self._conns[name]
                     with db.transaction():
@@ -875,38 +882,43 @@ class PgStore:
                         committing = True  # (the block's end sends COMMIT)
                     return result
                 except psycopg.Error as e:
-                    lost = self._conns[name].broken
-                    took = self._took_effect(name, xid) if lost and committing else False
-                    if took:
-                        log.warning("the connection to the state database was lost while it "
-                                    "committed (%s); the server says it committed", name)
-                        return result
-                    if took is None or not (e.sqlstate in ROLLED_BACK or lost) \
-                            or attempt == COMMIT_TRIES:
-                        raise _storage_error(e, self.url, doing) from None
-                    log.warning("the state database %s (%s, SQLSTATE %s); writing it again",
-                                "lost a transaction: this process was held up inside it, or "
-                                "the connection broke" if lost else "rolled a commit back",
-                                type(e).__name__, e.sqlstate)
+                    error, lost = e, self._lost(name)
+            # (the lock given back: another thread's heartbeat need not wait for the answer)
+            took = self._took_effect(xid) if lost and committing else False
+            if took:
+                log.warning("the connection to the state database was lost while a commit "
+                            "was under way; the server says it took effect")
+                return result
+            if took is None:
+                raise StorageError(
+                    f"cannot {doing}: the connection to the PostgreSQL server was lost while "
+                    f"it committed, and the server cannot say whether the commit took effect "
+                    f"({type(error).__name__}); rerun to resume", path=safe_url(self.url))
+            if not (error.sqlstate in ROLLED_BACK or lost) or attempt == COMMIT_TRIES:
+                raise _storage_error(error, self.url, doing) from None
+            log.warning("the state database %s (%s, SQLSTATE %s); writing it again",
+                        "lost a transaction: this process was held up inside it, or the "
+                        "connection broke" if lost else "rolled a commit back",
+                        type(error).__name__, error.sqlstate)
             time.sleep(0.05 * attempt)
         raise AssertionError("unreachable")
 
-    def _took_effect(self, name: str, xid: str | None) -> bool | None:
+    def _took_effect(self, xid: str | None) -> bool | None:
         """Whether the transaction ``xid``, whose connection was lost with its COMMIT under way,
-        committed (``None``: unknown: no new connection, or the server still has it in progress
-        after ``IDLE_IN_TRANSACTION`` + 5 s, when it ends a session left idle in one)."""
+        committed; asked on a connection of its own, again and again (a server restarting
+        refuses connections for a while) until ``IDLE_IN_TRANSACTION`` + 5 s have passed, when
+        the server has ended a session left idle in a transaction (``None``: unknown)."""
         if xid is None:
             return None
-        status = None
+        psycopg = _psycopg()
         deadline = time.monotonic() + IDLE_IN_TRANSACTION + 5
-        with contextlib.suppress(_psycopg().Error):
-            self._reconnect(name)
-            while True:
-                status = self._conns[name].execute(self._xact_status, (xid,)).fetchone()[0]
-                if status != "in progress" or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-        return {"committed": True, "aborted": False}.get(status or "")
+        while True:
+            status = None
+            with contextlib.suppress(psycopg.Error), _connect(self.url, "status", False) as db:
+                status = db.execute(self._xact_status, (xid,)).fetchone()[0]
+            if status in ("committed", "aborted") or time.monotonic() >= deadline:
+                return {"committed": True, "aborted": False}.get(status or "")
+            time.sleep(0.1)
 
     def _apply(self, records: Sequence[Record]) -> None:
         for part in in_order_parts(records):  # (see records.in_order_parts)

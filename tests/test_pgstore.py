@@ -800,7 +800,8 @@ def test_a_process_stopped_inside_a_transaction_keeps_no_ids_locked(
     asyncio.run(go())
 
 
-def test_a_commit_whose_answer_was_lost_is_asked_about_not_written_twice(job: str) -> None:
+def test_a_commit_whose_answer_was_lost_is_asked_about_not_written_twice(
+        job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The connection lost after the server committed a batch, before its answer arrived: the
     writer asks the server (on a new connection) whether that transaction committed, and does
     not write the batch again; the same for a grant of the job's budget (the loss is
@@ -835,10 +836,22 @@ def test_a_commit_whose_answer_was_lost_is_asked_about_not_written_twice(job: st
             assert await store.take_in() == 1
             store._conns["writer"] = AnswerLost(store._conns["writer"])
             assert store.commit([Record.sent("a")]) == frozenset()
-            assert not isinstance(store._conns["writer"], AnswerLost)  # a new connection
             assert dict(other_rows(job)) == {"a": 1}
+            store.commit([Record("failed", "a", status=500, error="HTTP 500", tries=1)])
+            assert not isinstance(store._conns["writer"], AnswerLost)  # a new connection
             store._conns["control"] = AnswerLost(store._conns["control"])
+            # (the server refusing the first connection after the loss: asked again)
+            connect, refused = pgstore._connect, []
+
+            def refusing(url: str, name: str, run: bool) -> Any:
+                if name == "status" and not refused:
+                    refused.append(name)
+                    raise psycopg.OperationalError("the database system is starting up")
+                return connect(url, name, run)
+
+            monkeypatch.setattr(pgstore, "_connect", refusing)
             assert await store.grant_budget(5, 8) == 5
+            assert refused
             assert await store.grant_budget(5, 8) == 3
             assert pg_rows("SELECT budget_taken FROM asyncrawl_jobs WHERE job = %s",
                            job) == [(8,)]
