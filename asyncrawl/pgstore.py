@@ -437,9 +437,7 @@ class PgStore:
         psycopg = _psycopg()
         with self._locks[name]:
             try:
-                if self._lost(name):
-                    self._reconnect(name)
-                yield self._conns[name]
+                yield self._open(name)
             except psycopg.Error as e:
                 raise _storage_error(e, self.url, doing) from None
 
@@ -449,6 +447,12 @@ class PgStore:
             self._conns[name].close()
         self._conns[name] = _connect(self.url, name, self._for_run)
         self._stale.discard(name)
+
+    def _open(self, name: str) -> Any:
+        """Connection ``name``, made again first if it was lost (``_lost``)."""
+        if self._lost(name):
+            self._reconnect(name)
+        return self._conns[name]
 
     def _lost(self, name: str) -> bool:
         """The connection was lost (closed by the server, or not made again yet)."""
@@ -873,9 +877,7 @@ class PgStore:
             with self._locks[name]:
                 xid, committing = None, False
                 try:
-                    if self._lost(name):
-                        self._reconnect(name)
-                    db = self._conns[name]
+                    db = self._open(name)
                     with db.transaction():
                         xid = db.execute(self._xact_id).fetchone()[0]
                         result = work(db)

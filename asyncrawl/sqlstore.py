@@ -353,11 +353,13 @@ class SqliteStore:
         db = self._reader
         assert db is not None, "admit() needs a store opened for a run"
         chunk = orjson.dumps(ids).decode()
-        with self._reading():  # (the new ones as one JSON array: one step of SQLite, not one
-            #                     a row, each giving the GIL back and taking it again)
-            new = set(orjson.loads(db.execute(
-                "SELECT json_group_array(value) FROM json_each(?) "
-                "WHERE value NOT IN (SELECT id FROM seen)", (chunk,)).fetchone()[0]))
+        with self._reading():  # (the new ones and their states as one JSON object: one step
+            #                     of SQLite, not one a row, each giving the GIL back and
+            #                     taking it again)
+            new: dict[str, str | None] = orjson.loads(db.execute(
+                "SELECT json_group_object(j.value, i.state) FROM json_each(?) j "
+                "LEFT JOIN items i ON i.id = j.value AND i.state IS NOT NULL "
+                "WHERE j.value NOT IN (SELECT id FROM seen)", (chunk,)).fetchone()[0])
             db.execute("INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
                        "ON CONFLICT DO NOTHING", (chunk,))
         fresh, dups, taken = [], 0, set()
@@ -367,8 +369,7 @@ class SqliteStore:
                 fresh.append(item)
             else:
                 dups += 1
-        states = self._lookup(fresh)
-        return [(item, states.get(item)) for item in fresh], dups
+        return [(item, new[item]) for item in fresh], dups
 
     async def run_counts(self, *, whole: bool = False) -> Counts:
         """This run's IDs (every one ``admit`` took) by their state now; ``whole``: every ID
