@@ -78,6 +78,7 @@ REPO_ROOT = BENCH_DIR.parent
 KINDS = ("baseline", "cli", "library")
 NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
 NO_INTENT_CLI = "cli-no-intent"  # the same for ``asyncrawl run``
+FREE_STORE_CLI = "cli-free-store"  # ``asyncrawl run`` whose store drops sent/ok (``--store-cost``)
 FAST = ("cli-uvloop", "baseline-uvloop")  # with the fast extra's loop (``--fast``)
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
@@ -181,6 +182,23 @@ def skip_intents() -> None:
     Writer.commit = no_intent  # type: ignore[method-assign]
 
 
+def free_store() -> list[int]:
+    """In this worker process only: the SQLite store's commit drops the ``sent`` and ``ok``
+    records (what the store costs a crawl; the writer's thread, queue and reports unchanged).
+    Returns the count of ``ok`` records dropped, kept up to date."""
+    from asyncrawl.sqlstore import SqliteStore
+
+    commit, dropped = SqliteStore.commit, [0]
+
+    def free(self: SqliteStore, records: Any) -> frozenset[str]:
+        kept = [rec for rec in records if rec.kind not in ("sent", "ok")]
+        dropped[0] += sum(rec.kind == "ok" for rec in records)
+        return commit(self, kept) if kept else frozenset()
+
+    SqliteStore.commit = free  # type: ignore[method-assign]
+    return dropped
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """Time one run and print its figures as one JSON line on stdout."""
     if str(REPO_ROOT) not in sys.path:
@@ -206,16 +224,17 @@ def worker_main(args: argparse.Namespace) -> int:
 
     if args.worker == NO_INTENT_CLI:
         skip_intents()
+    dropped = free_store() if args.worker == FREE_STORE_CLI else None
     # the cli kinds: asyncio's loop unless the kind says uvloop (the fast extra's)
     os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
-    if args.worker in ("cli", NO_INTENT_CLI, "cli-uvloop"):
+    if args.worker in ("cli", NO_INTENT_CLI, FREE_STORE_CLI, "cli-uvloop"):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
         code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        if code != 0:
+        if code != (0 if dropped is None else 6):  # (6: the store kept no ok to settle IDs)
             print(f"asyncrawl run exited {code}", file=sys.stderr)
-        ok = durable_ok(args.state_dir)
+        ok = durable_ok(args.state_dir) if dropped is None else dropped[0]
     elif args.worker == "baseline-uvloop":
         import uvloop
 
@@ -489,6 +508,8 @@ def driver_main(args: argparse.Namespace) -> int:
         kinds = args.kinds.split(",")
     if args.intent_cost:
         kinds += [NO_INTENT, NO_INTENT_CLI]
+    if args.store_cost:
+        kinds += [FREE_STORE_CLI]
     if args.fast:
         kinds += list(FAST)
     if args.against:
@@ -579,6 +600,9 @@ def driver_main(args: argparse.Namespace) -> int:
                   f"{1 - medians['cli'] / medians[NO_INTENT_CLI]:+.1%}")
         print(f"intent cost = 1 - median(library) / median({NO_INTENT}) = {intent_cost:+.1%} "
               "(negative: faster with it)", file=out)
+    if {"cli", FREE_STORE_CLI} <= medians.keys():
+        print(f"store cost (cli) = 1 - median(cli) / median({FREE_STORE_CLI}) = "
+              f"{1 - medians['cli'] / medians[FREE_STORE_CLI]:+.1%}", file=out)
     for w in warnings:
         print(f"WARNING: {w}", file=out)
 
@@ -625,7 +649,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="print one JSON object with all figures on stdout (report goes to stderr)",
     )
     # internal: run one timed worker in this process
-    p.add_argument("--worker", choices=(*KINDS, NO_INTENT, NO_INTENT_CLI, *FAST),
+    p.add_argument("--store-cost", action="store_true",
+                   help=f"also run asyncrawl run with a store that drops the sent and ok records "
+                        f"({FREE_STORE_CLI}) and print what the store costs")
+    p.add_argument("--worker", choices=(*KINDS, NO_INTENT, NO_INTENT_CLI, FREE_STORE_CLI, *FAST),
                    help=argparse.SUPPRESS)
     p.add_argument("--fast", action="store_true",
                    help="also run cli-uvloop and baseline-uvloop (needs asyncrawl[fast])")
