@@ -44,7 +44,7 @@ from .source import (
 )
 from .sqlstore import DB
 from .store import read_store
-from .types import Progress, Result, Summary
+from .types import Progress, Summary
 
 log = logging.getLogger("asyncrawl")
 T = TypeVar("T")
@@ -353,23 +353,21 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
 
     from .crawler import Crawler  # the HTTP stack: loaded only by the commands that send
 
-    on_result, on_attempt = errors.result, errors.attempt
+    # the error log lines need the failures only: no Result is made for an ok ID
+    on_result, on_attempt = None, errors.attempt
     metrics = None
     if metrics_at is not None:
         from .metrics import Metrics
 
         metrics = Metrics(config, lambda: crawler.progress())
-
-        def on_result(r: Result) -> None:
-            errors.result(r)
-            metrics.result(r)
+        on_result = metrics.result  # (it counts every outcome)
 
         def on_attempt(item: str, status: int | None, error: str | None) -> None:
             errors.attempt(item, status, error)
             metrics.attempt(item, status, error)
 
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
-                      on_result=on_result, on_attempt=on_attempt)
+                      on_result=on_result, on_failure=errors.result, on_attempt=on_attempt)
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))

@@ -41,6 +41,9 @@ class Crawler:
         request_for: hook building the ``Request`` for an ID (default: the config's template).
         classify: hook overriding the outcome class of a response (return ``None`` to keep it).
         on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
+        on_failure: called with each ``Result`` of a failed or unavailable ID once it is
+            durable: ``on_result`` without the ok ones (without ``on_result``, no ``Result``
+            is made for an ok ID, and its parsed payload is not kept for it).
         on_progress: called with a ``Progress`` snapshot every ``progress_every`` seconds.
         on_halt: called with the ``Halt`` and ``Summary`` when a run halts early.
         on_attempt: called with ``(id, status, error)`` for every attempt as it comes back
@@ -57,6 +60,7 @@ class Crawler:
         request_for: Callable[[str], Request] | None = None,
         classify: Classifier | None = None,
         on_result: Callable[[Result], None] | None = None,
+        on_failure: Callable[[Result], None] | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_halt: Callable[[Halt, Summary], None] | None = None,
         on_attempt: Callable[[str, int | None, str | None], None] | None = None,
@@ -65,8 +69,8 @@ class Crawler:
     ) -> None:
         self.config = config
         self.hooks = Hooks(request_for=request_for, classify=classify, on_result=on_result,
-                           on_progress=on_progress, on_halt=on_halt, on_attempt=on_attempt,
-                           progress_every=progress_every)
+                           on_failure=on_failure, on_progress=on_progress, on_halt=on_halt,
+                           on_attempt=on_attempt, progress_every=progress_every)
         self.total = total
         self._session = session
         if session is not None and resends_silently(session):

@@ -160,9 +160,10 @@ class RequestBuilder:
             self._query_parts.append((quote(config.key_param, safe=""), [quote(key, safe="")]))
         self._fast = self._fast_parts()
 
-    def _fast_parts(self) -> tuple[str, str, list[str], str] | None:
-        """When ``{id}`` is only in the template's path and params carry no ``{id}``: scheme,
-        authority, path pieces and query string, so that a URL is assembled without parsing."""
+    def _fast_parts(self) -> tuple[URL | None, str, str, list[str], str] | None:
+        """When ``{id}`` is only in the template's path and params carry no ``{id}``: the
+        origin's URL (if there is no query), scheme, authority, path pieces and query string,
+        so that a URL is assembled without parsing."""
         if len(self._parts) < 2 or any(len(p) > 1 for _, p in self._query_parts):
             return None
         marker = "asyncrawl0id0marker"
@@ -181,7 +182,12 @@ class RequestBuilder:
         if self._query_parts:
             extra = "&".join(f"{k}={pieces[0]}" for k, pieces in self._query_parts)
             qs = f"{qs}&{extra}" if qs else extra
-        return url.scheme, url.raw_authority, url.raw_path.split(marker), qs
+        pieces = url.raw_path.split(marker)
+        # without a query: the origin's URL, to which each request's path is given (yarl
+        # then takes its host and port as they are, instead of parsing the authority again)
+        base = URL.build(scheme=url.scheme, authority=url.raw_authority, encoded=True) \
+            if not qs and pieces[0].startswith("/") else None
+        return base, url.scheme, url.raw_authority, pieces, qs
 
     def __call__(self, item_id: str) -> Request:
         return Request(self.method, self.url(item_id), self.headers)
@@ -189,7 +195,9 @@ class RequestBuilder:
     def url(self, item_id: str) -> URL:
         enc = encode_id(item_id)
         if self._fast is not None:
-            scheme, authority, path, qs = self._fast
+            base, scheme, authority, path, qs = self._fast
+            if base is not None:
+                return base.with_path(enc.join(path), encoded=True)
             return URL.build(scheme=scheme, authority=authority, path=enc.join(path),
                              query_string=qs, encoded=True)
         url = enc.join(self._parts)

@@ -95,6 +95,15 @@ class IdQueue:
                 if items and not fut.cancelled():  # woken, then cancelled: pass the wake-up on
                     self._wake_getter()
                 raise
+        return self._pop()
+
+    def get_nowait(self) -> Item | None:
+        """The next item, or ``None`` if there is none now (``get`` without a coroutine, for
+        the common case of a queue the producer keeps full)."""
+        return self._pop() if self._items else None
+
+    def _pop(self) -> Item:
+        items = self._items
         item = items.popleft()
         if self._putters and len(items) <= self._low:
             putters, self._putters = self._putters, []

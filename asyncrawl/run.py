@@ -68,6 +68,7 @@ class Hooks:
     request_for: Callable[[str], Request] | None = None
     classify: Classifier | None = None
     on_result: Callable[[Result], None] | None = None
+    on_failure: Callable[[Result], None] | None = None
     on_progress: Callable[[Progress], None] | None = None
     on_halt: Callable[[Halt, Summary], None] | None = None
     on_attempt: Callable[[str, int | None, str | None], None] | None = None
@@ -460,7 +461,10 @@ class Run:
                     break
                 it = history.pop(item) if item in history else Item(item, block=block)
                 ledger.take(it)
-                await queue.put(it)
+                if queue.full():
+                    await queue.put(it)
+                else:
+                    queue.push(it)  # (no coroutine an ID where none has to wait)
             if stop.is_set():
                 break
             if mark is not None:
@@ -531,23 +535,29 @@ class Run:
 
     def _on_commit(self, records: list[Record]) -> None:
         """Called by the writer once ``records`` are durable: only now do they count."""
-        t, on_result = self.tally, self.hooks.on_result
+        t, hooks = self.tally, self.hooks
+        on_result, on_failure = hooks.on_result, hooks.on_failure
         for rec in records:
             kind = rec.kind
+            if kind == "sent":  # (half of what a crawl commits)
+                continue
             t.billable += rec.paid  # outcome and "billed" records; the others carry 0
             if kind == "ok":
                 t.ok += 1
+                if on_result is None:
+                    continue
             elif kind == "failed":
                 t.failed += 1
             elif kind == "unavailable":
                 t.unavailable += 1
             else:
                 continue
+            result = None
             if on_result is not None:
-                try:
-                    on_result(rec.result())
-                except Exception:
-                    log.exception("on_result hook failed for ID %r", rec.id)
+                result = rec.result()
+                _call(on_result, result, "on_result")
+            if on_failure is not None and kind != "ok":
+                _call(on_failure, result or rec.result(), "on_failure")
 
     def _on_storage_error(self, error: StorageError) -> None:
         self.stop.set(Halt("storage", None, str(error)))
@@ -620,6 +630,14 @@ async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
+
+def _call(hook: Callable[[Result], None], result: Result, name: str) -> None:
+    """An application's result hook: what it raises is logged, never the run's end."""
+    try:
+        hook(result)
+    except Exception:
+        log.exception("%s hook failed for ID %r", name, result.id)
 
 
 async def _finish(task: asyncio.Future[Any]) -> None:

@@ -60,21 +60,29 @@ class Verdict(NamedTuple):
     error: str | None = None  # replaces the attempt's error in the record
 
 
+# the verdicts that depend on nothing but the outcome (made once: one a request otherwise)
+_SETTLE_OK = Verdict(Action.SETTLE, "ok")
+_HALT = Verdict(Action.HALT)
+_SKIPPED = Verdict(Action.SETTLE, "failed", permanent=True)  # in pass 1
+_SKIPPED_AGAIN = Verdict(Action.SETTLE, "unavailable", permanent=True)  # in pass 2
+_AT_GATE = Verdict(Action.PARK, charged=False)
+
+
 def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
            outage: bool = False) -> Verdict:
     """The verdict on ``attempt`` for ``item`` (``item.tries`` and ``item.unusable`` do not
     count this attempt yet). ``outage``: the breaker is open and this was an upstream failure,
     not a probe."""
     outcome = attempt.outcome
-    final = "unavailable" if pass_no > 1 else "failed"
     if outcome is Outcome.OK:
-        return Verdict(Action.SETTLE, "ok")
+        return _SETTLE_OK
     if outcome is Outcome.FATAL:
-        return Verdict(Action.HALT)
+        return _HALT
     if outcome is Outcome.SKIP:
-        return Verdict(Action.SETTLE, final, permanent=True)
+        return _SKIPPED_AGAIN if pass_no > 1 else _SKIPPED
     if outage:  # not this ID's fault: no try charged; it waits at the gate
-        return Verdict(Action.PARK, charged=False)
+        return _AT_GATE
+    final = "unavailable" if pass_no > 1 else "failed"
     tries = item.tries + 1
     bought = item.unusable + attempt.billable
     if attempt.billable and bought > config.paid_retries:
@@ -280,12 +288,14 @@ class Worker:
                 f"parked={len(self.parking)} in_flight={self.in_flight}>")
 
     async def run(self) -> None:
-        gov, budget, stop, held = self.governor, self.budget, self.stop, self.held
+        gov, budget, stop, held, queue = (self.governor, self.budget, self.stop, self.held,
+                                          self.queue)
         limited_budget = budget.limit is not None
-        while not stop.is_set():
-            item = await self.queue.get()
+        stopped = stop.event.is_set  # (looked up once: asked three times a request)
+        while not stopped():
+            item = queue.get_nowait() or await queue.get()
             held[id(item)] = item
-            ticket = await gov.acquire()
+            ticket = gov.ready() or await gov.acquire()
             if limited_budget and not await budget.reserve():
                 stop.set(budget_halt(budget))
                 return
@@ -293,8 +303,8 @@ class Worker:
             # known to be in doubt (possibly billed). Group-committed with other records.
             lane = ticket.lane
             sent = Record.sent(item.id, self.fingerprints[lane])
-            if stop.is_set() or (commit := await self.sink.commit(sent)) is Commit.FAILED \
-                    or stop.is_set():
+            if stopped() or (commit := await self.sink.commit(sent)) is Commit.FAILED \
+                    or stopped():
                 budget.release(False)  # no await between the last check and the send
                 return
             if commit is Commit.REFUSED:  # another process of the job holds the ID now

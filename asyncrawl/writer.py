@@ -55,7 +55,10 @@ class Writer:
         self.linger = linger  # seconds a batch no one waits for may wait for company
         self.hold = hold  # seconds ok results may be held back behind intents (_hold_back)
         self.hold_limit = min(hold_limit, batch_limit)
-        self._hurry = threading.Event()  # wakes the thread from a nap: a commit() or close()
+        # wakes the thread from a nap (a commit() or close()): a lock held while no wake-up is
+        # pending, released to ring it (a C call; threading.Event.set costs the loop ~6 us)
+        self._bell = threading.Lock()
+        self._bell.acquire()
         self._napping = False  # the thread naps (or is about to): a commit() must wake it
         self._asked = 0  # records queued by commit() (the loop's thread counts them)
         self._taken = 0  # ... and taken by the writer's thread (which counts these)
@@ -84,14 +87,21 @@ class Writer:
         else:
             self._queue.put((record, fut))
             self._asked += 1
-            if self._napping:  # (a threading.Event.set costs the loop ~6 µs: only when needed)
-                self._hurry.set()
+            if self._napping:  # (only when needed: the thread is woken, the GIL asked for)
+                self._ring()
         return fut
 
     def close(self) -> None:
         """Ask the writer to commit what is queued (and held back) and stop."""
         self._queue.put(None)
-        self._hurry.set()
+        self._ring()
+
+    def _ring(self) -> None:
+        """Wake the writer's thread from its nap, or cut its next one short. (Only the event
+        loop's thread rings, and the writer's only takes the lock: no race between the two
+        calls.)"""
+        if self._bell.locked():  # (else rung already)
+            self._bell.release()
 
     async def run(self) -> None:
         """Run the writer's thread until ``close``, and return once it has stopped. If this is
@@ -178,10 +188,10 @@ class Writer:
 
     def _nap(self, seconds: float) -> None:
         """Sleep up to ``seconds``, less if a ``commit`` (or ``close``) arrives."""
-        self._hurry.clear()
+        self._bell.acquire(blocking=False)  # (a ring from before this nap: not for it)
         self._napping = True
         if self._asked == self._taken:  # (a commit() queued before the flag was up is seen here)
-            self._hurry.wait(seconds)
+            self._bell.acquire(timeout=seconds)
         self._napping = False
 
     def _write(self, batch: list[_Entry]

@@ -187,6 +187,36 @@ async def test_on_result_sees_each_durable_result_once(state: Path) -> None:
     assert by_id["nf"].outcome == "failed" and by_id["nf"].permanent and by_id["nf"].status == 404
 
 
+async def test_on_failure_sees_the_failures_alone_beside_on_result(
+        state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``on_failure`` gets the failed and unavailable IDs' results, once each and once
+    durable, beside ``on_result`` (every result) or alone; one that raises is logged and the
+    crawl goes on."""
+    faults = {"nf": Fault("not_found"), "down": Fault("gone")}
+    for with_all in (True, False):
+        everything: list[Result] = []
+        failures: list[Result] = []
+
+        def failed(r: Result, failures: list[Result] = failures) -> None:
+            failures.append(r)
+            raise RuntimeError("a bug in the application's hook")
+
+        async with MockAPI(api_key=KEY, faults=faults) as api:
+            cfg = fast_config(api, state / str(with_all), max_tries=2)
+            async with Crawler(cfg, on_result=everything.append if with_all else None,
+                               on_failure=failed) as crawler:
+                s = await crawler.run(["a", "b", "nf", "down"])
+        assert (s.ok, s.unavailable) == (2, 2)
+        assert caplog.text.count("on_failure hook failed") == 4
+        caplog.clear()
+        # pass 1's failures, then pass 2's unavailable: each a durable outcome
+        assert sorted((r.id, r.outcome) for r in failures) == [
+            ("down", "failed"), ("down", "unavailable"), ("nf", "failed"), ("nf", "unavailable")]
+        if with_all:
+            assert [r for r in everything if r.outcome != "ok"] == failures
+            assert {r.id for r in everything if r.outcome == "ok"} == {"a", "b"}
+
+
 async def test_injected_session_is_used_and_left_open(api: MockAPI, state: Path) -> None:
     async with aiohttp.ClientSession() as session:
         async with Crawler(fast_config(api, state), session=session) as crawler:

@@ -412,3 +412,47 @@ def test_a_quota_lowered_mid_run_is_found_again() -> None:
     late = [limited for t, _, limited in seen if t >= 180]
     assert sum(late) / len(late) < 0.05
     assert sum(1 for lim in late if not lim) / 240 >= 0.85 * 60
+
+
+async def test_the_ticket_at_once_keeps_to_the_rate_and_to_whatever_holds_requests() -> None:
+    """``ready`` (a ticket without a wait, what the workers ask first) hands out the bucket's
+    tokens like ``acquire`` and nothing more: no ticket while a pause, an open breaker or a
+    task waiting in the bucket holds requests back, and the rate holds for tasks mixing it
+    with ``acquire``."""
+    gov = Governor(rate=40, burst=4, adaptive=False)
+    tickets = [gov.ready() for _ in range(5)]
+    assert all(t is not None for t in tickets[:4]) and tickets[4] is None  # the burst, no more
+    waiting = asyncio.create_task(gov.acquire())  # waits in the bucket for the next token
+    await asyncio.sleep(0)
+    gov.lanes[0].limiter._level -= 1  # a token is back, the waiting task not yet woken:
+    assert gov.ready() is None  # it is the waiting task's, not the next ready's
+    await asyncio.wait_for(waiting, 5)
+
+    loop = asyncio.get_running_loop()
+    passed: list[float] = []
+
+    async def worker() -> None:
+        while True:
+            ticket = gov.ready() or await gov.acquire()
+            passed.append(ticket.sent_at)
+
+    t0 = loop.time()
+    workers = [asyncio.create_task(worker()) for _ in range(8)]
+    try:
+        await asyncio.sleep(0.5)
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    elapsed = loop.time() - t0
+    assert 1 <= len(passed) <= 2 + 40 * elapsed * 1.05, (len(passed), elapsed)
+
+    paused = Governor(rate=1000, burst=10, adaptive=False)
+    paused.pause(60)
+    assert paused.ready() is None
+    assert open_breaker(probe_after=60).ready() is None
+    assert Governor(rate=1000, burst=10, keys=2).ready() is None  # several keys: acquire picks
+    fresh = Governor(rate=1000, burst=10)
+    ticket = fresh.ready()
+    assert ticket is not None and not ticket.probe and ticket.lane == 0
+    assert fresh.controller is not None and fresh.controller._sent == 1  # counted as sent

@@ -84,3 +84,15 @@ async def test_id_queue_push_passes_the_bound_and_a_cancelled_getter_loses_nothi
     first.cancel()
     assert (await asyncio.wait_for(second, 5)).id == "only"
     assert first.cancelled() and q.qsize() == 0
+
+    # get_nowait (what a worker asks first): None when empty, else the next item, waking a
+    # waiting producer once drained to half, as get does
+    assert q.get_nowait() is None
+    for i in range(4):
+        await q.put(Item(f"n{i}"))
+    blocked = asyncio.create_task(q.put(Item("n4")))
+    await asyncio.sleep(0)
+    taken = [q.get_nowait(), q.get_nowait()]
+    await asyncio.wait_for(blocked, 5)
+    taken += [q.get_nowait() for _ in range(4)]
+    assert [i.id if i else None for i in taken] == ["n0", "n1", "n2", "n3", "n4", None]
