@@ -230,9 +230,10 @@ class Writer:
                 else:
                     kept.append((rec, fut))
             batch = kept
+        result = Commit.DURABLE if durable else Commit.FAILED
         for _, fut in batch:
             if fut is not None and not fut.done():
-                fut.set_result(Commit.DURABLE if durable else Commit.FAILED)
+                fut.set_result(result)
         if durable:
             self.commits += 1
             self.written += len(batch)
