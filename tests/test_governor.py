@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -248,31 +248,44 @@ async def test_an_open_breaker_stands_down_when_nothing_unsent_is_left() -> None
     assert not gov.breaker_open and not ticket.probe
 
 
-async def test_requests_waiting_when_the_rate_is_shared_out_go_at_the_new_rate() -> None:
-    """A run of a shared job that takes a smaller share (more runs joined) paces the requests
-    already waiting for its bucket at the new rate too: they used to drain at the old rate
-    (a burst over the job's rate in the first seconds of a multi-process job)."""
-    gov = Governor(rate=1000, burst=1, adaptive=False)
+async def tickets(gov: Governor, tasks: int, seconds: float,
+                  take: Callable[[], Awaitable[object]],
+                  then: Callable[[], None] | None = None) -> tuple[list[float], float]:
+    """``tasks`` workers taking tickets with ``take()`` for ``seconds`` (``then()`` once they
+    are all waiting, before the clock starts): when each got one, and the seconds timed."""
     loop = asyncio.get_running_loop()
     passed: list[float] = []
 
     async def worker() -> None:
         while True:
-            await gov.acquire()
+            await take()
             passed.append(loop.time())
 
-    await gov.acquire()  # the bucket is full: every worker below waits in it
-    workers = [asyncio.create_task(worker()) for _ in range(30)]
-    await asyncio.sleep(0)  # each is waiting in the bucket of 1,000/s
-    gov.share(100)  # 99 more runs: 10/s
+    workers = [asyncio.create_task(worker()) for _ in range(tasks)]
+    await asyncio.sleep(0)
+    if then is not None:
+        then()
     t0 = loop.time()
     try:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(seconds)
     finally:
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    elapsed = loop.time() - t0
+    return passed, loop.time() - t0
+
+
+async def test_requests_waiting_when_the_rate_is_shared_out_go_at_the_new_rate() -> None:
+    """A run of a shared job that takes a smaller share (more runs joined) paces the requests
+    already waiting for its bucket at the new rate too: they used to drain at the old rate
+    (a burst over the job's rate in the first seconds of a multi-process job)."""
+    gov = Governor(rate=1000, burst=1, adaptive=False)
+    await gov.acquire()  # the bucket is full: every worker below waits in it
+
+    def re_share() -> None:  # once each is waiting in the bucket of 1,000/s
+        gov.share(100)  # 99 more runs: 10/s
+
+    passed, elapsed = await tickets(gov, 30, 0.5, lambda: gov.acquire(), then=re_share)
     # At 10/s with a burst of 1: at most 1 + 10 x the time (30 in a few ms before the fix)
     assert 1 <= len(passed) <= 2 + 10 * elapsed * 1.05, (len(passed), elapsed)
 
@@ -420,31 +433,18 @@ async def test_the_ticket_at_once_keeps_to_the_rate_and_to_whatever_holds_reques
     task waiting in the bucket holds requests back, and the rate holds for tasks mixing it
     with ``acquire``."""
     gov = Governor(rate=40, burst=4, adaptive=False)
-    tickets = [gov.ready() for _ in range(5)]
-    assert all(t is not None for t in tickets[:4]) and tickets[4] is None  # the burst, no more
+    handed = [gov.ready() for _ in range(5)]
+    assert all(t is not None for t in handed[:4]) and handed[4] is None  # the burst, no more
     waiting = asyncio.create_task(gov.acquire())  # waits in the bucket for the next token
     await asyncio.sleep(0)
     gov.lanes[0].limiter._level -= 1  # a token is back, the waiting task not yet woken:
     assert gov.ready() is None  # it is the waiting task's, not the next ready's
     await asyncio.wait_for(waiting, 5)
 
-    loop = asyncio.get_running_loop()
-    passed: list[float] = []
+    async def ticket() -> object:
+        return gov.ready() or await gov.acquire()
 
-    async def worker() -> None:
-        while True:
-            ticket = gov.ready() or await gov.acquire()
-            passed.append(ticket.sent_at)
-
-    t0 = loop.time()
-    workers = [asyncio.create_task(worker()) for _ in range(8)]
-    try:
-        await asyncio.sleep(0.5)
-    finally:
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    elapsed = loop.time() - t0
+    passed, elapsed = await tickets(gov, 8, 0.5, ticket)
     assert 1 <= len(passed) <= 2 + 40 * elapsed * 1.05, (len(passed), elapsed)
 
     paused = Governor(rate=1000, burst=10, adaptive=False)
