@@ -37,7 +37,7 @@ from throughput import nginx_server  # noqa: E402
 STAGES = {  # inclusive time of the pipeline's own functions, by the name py-spy shows
     "fetch: Fetcher._attempt (request, read, classify)": "_attempt (asyncrawl/fetch.py",
     "worker: Worker.run (the loop around an attempt)": "run (asyncrawl/worker.py",
-    "governor: Governor.acquire": "acquire (asyncrawl/governor.py",
+    "governor: Governor (ready, acquire, on_response)": "(asyncrawl/governor.py",
     "writer: Writer (event-loop side)": "asyncrawl/writer.py",
     "store: SQLite commit (writer thread)": "asyncrawl/sqlstore.py",
     "aiohttp: ClientSession._request": "_request (aiohttp/client.py",
