@@ -667,19 +667,14 @@ class Governor:
             return None
         now = self._loop.time()
         lane = self.lanes[0]
-        if self.paused_until > now or lane.paused_until > now or lane.retired:
+        if self._held(lane, now):
             return None
         c = lane.controller
         if c is not None:
             c.tick(now)
             if c.limited:
                 return None
-        if not _take(lane.limiter):
-            return None
-        if c is not None:
-            c.on_send(now)
-        self._sent = True
-        return Ticket(now, False, lane.index)
+        return self._issue(lane, now, False) if _take(lane.limiter) else None
 
     async def acquire(self) -> Ticket:
         """Wait until a request may start. With every key retired it waits for ever (the
@@ -723,7 +718,7 @@ class Governor:
             # The waits above took time: decide on what holds *now* (a pause may have begun,
             # the breaker may have opened), so that nothing queued before it slips through.
             now = loop.time()
-            if self.paused_until > now or lane.paused_until > now or lane.retired:
+            if self._held(lane, now):
                 continue
             probe = False
             if breaker is not None and breaker.open:
@@ -731,10 +726,19 @@ class Governor:
                 if gate is not None and gate > 0:
                     continue
                 probe = gate == 0
-            if c is not None:
-                c.on_send(now)
-            self._sent = True
-            return Ticket(now, probe, lane.index)
+            return self._issue(lane, now, probe)
+
+    def _held(self, lane: Lane, now: float) -> bool:
+        """Whether a pause (the job's, or ``lane``'s key's) or a retired key holds a request
+        back now."""
+        return self.paused_until > now or lane.paused_until > now or lane.retired
+
+    def _issue(self, lane: Lane, now: float, probe: bool) -> Ticket:
+        """The ticket of a request that may start now with ``lane``'s key (it counts as sent)."""
+        if lane.controller is not None:
+            lane.controller.on_send(now)
+        self._sent = True
+        return Ticket(now, probe, lane.index)
 
     def unused(self, ticket: Ticket) -> None:
         """``ticket``'s request did not leave (its key was retired meanwhile): if it was the

@@ -544,20 +544,20 @@ class Run:
             t.billable += rec.paid  # outcome and "billed" records; the others carry 0
             if kind == "ok":
                 t.ok += 1
-                if on_result is None:
-                    continue
             elif kind == "failed":
                 t.failed += 1
             elif kind == "unavailable":
                 t.unavailable += 1
             else:
                 continue
-            result = None
+            failure = kind != "ok"
+            if on_result is None and not (failure and on_failure is not None):
+                continue  # (no Result made where no hook takes it)
+            result = rec.result()
             if on_result is not None:
-                result = rec.result()
                 _call(on_result, result, "on_result")
-            if on_failure is not None and kind != "ok":
-                _call(on_failure, result or rec.result(), "on_failure")
+            if failure and on_failure is not None:
+                _call(on_failure, result, "on_failure")
 
     def _on_storage_error(self, error: StorageError) -> None:
         self.stop.set(Halt("storage", None, str(error)))

@@ -13,12 +13,13 @@ wake-up, the verdict, the outcome record, the writer's reports, the tally and th
 
 By default the store is free too (its commit drops ``sent`` and ``ok`` records, as
 ``throughput.py --store-cost``), so that the figure is the loop's work and not SQLite's;
-``--real-store`` keeps the store. Reported per request: the event loop thread's CPU
-(``time.thread_time``), the whole process's CPU and the wall time; the median of ``--rounds``
-runs, each a fresh subprocess (the figures include the command's fixed start and end: use
-tens of thousands of IDs). ``--against TREE`` runs the same from another checkout (its
-``asyncrawl`` package first on ``sys.path``), alternating with this tree's runs, and prints
-the ratio of the medians: judge a change by that ratio, not by absolute figures.
+``--real-store`` keeps the store (a tree from before the SQLite store has no free store).
+Reported per request: the event loop thread's CPU (``time.thread_time``), the whole process's
+CPU and the wall time; the median of ``--rounds`` runs, each a fresh subprocess (the figures
+include the command's fixed start and end: use tens of thousands of IDs). ``--against TREE``
+runs the same from another checkout (its ``asyncrawl`` package first on ``sys.path``),
+alternating with this tree's runs, and prints the ratio of the medians: judge a change by that
+ratio, not by absolute figures.
 
 This is not a substitute for ``throughput.py`` (aiohttp and the socket calls are most of a
 request's CPU): it sizes the part that is asyncrawl's, where ``throughput.py``'s noise
@@ -44,11 +45,13 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "bench"))  # (throughput's free store)
 BODY = b'{"id": 1, "name": "' + b"x" * 960 + b'", "tags": [1, 2, 3]}'
 
 
-def patch(tree: Path, free: bool) -> None:
-    """In this (worker) process: the instant attempt, and the free store unless ``free`` is off."""
+def patch(free: bool) -> None:
+    """In this (worker) process: the instant attempt, and the free store unless ``free`` is off
+    (``throughput.free_store``, the same as its cli-free-store kind)."""
     import orjson
 
     from asyncrawl import fetch
@@ -58,19 +61,10 @@ def patch(tree: Path, free: bool) -> None:
         return fetch.Attempt(fetch.Outcome.OK, 200, orjson.loads(BODY), None, None, True, BODY)
 
     fetch.Fetcher._attempt = instant  # type: ignore[method-assign]
-    if not free:
-        return
-    try:
-        from asyncrawl.sqlstore import SqliteStore as store_type
-    except ImportError:  # a tree from before the SQLite store (the journal)
-        from asyncrawl.journal import Journal as store_type  # type: ignore[no-redef]
-    commit = store_type.commit
+    if free:
+        from throughput import free_store
 
-    def dropping(self: Any, records: Any) -> Any:
-        kept = [rec for rec in records if rec.kind not in ("sent", "ok")]
-        return commit(self, kept) if kept else frozenset()
-
-    store_type.commit = dropping  # type: ignore[method-assign]
+        free_store()
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -80,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
     import asyncrawl.crawler  # imported outside the timed part (the command imports them
     import asyncrawl.store  # lazily)
 
-    patch(tree, not args.real_store)
+    patch(not args.real_store)
     work = Path(tempfile.mkdtemp(prefix="overhead-", dir=args.work))
     ids = work / "ids.txt"
     ids.write_text("".join(f"{i}\n" for i in range(args.ids)))
