@@ -7,19 +7,15 @@ library API an application would use (``Config``, ``Crawler``), which never does
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
-import fcntl
 import functools
 import gc
 import json
 import logging
-import logging.handlers
 import os
 import signal
 import stat
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Coroutine
@@ -27,23 +23,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ._version import __version__
-from .config import UNUSED_URL, Config, expand_env
+from .config import UNUSED_URL, Config, expand_env, is_url
 from .errors import AsyncrawlError, ConfigError, InputError
-from .pgstore import is_url
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
-from .records import SETTLED
-from .report import EXPORT_FORMATS, EXPORT_OUTCOMES, export, status, status_text
-from .source import (
-    CHUNK_IDS,
-    IdsFile,
-    SeenIds,
-    file_identity,
-    file_ids,
-    is_stream,
-    prescan_file,
-)
-from .sqlstore import DB
-from .store import read_store
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, SETTLED
 from .types import Progress, Summary
 
 log = logging.getLogger("asyncrawl")
@@ -92,6 +75,8 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     except ConfigError:
         main.close()  # never run: not left to warn that it was never awaited
         raise
+    import asyncio
+
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 
@@ -305,6 +290,8 @@ class _Console(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
+    import logging.handlers
+
     # WatchedFileHandler reopens the file when logrotate moves it away
     handler: logging.Handler = (logging.handlers.WatchedFileHandler(log_file, encoding="utf-8")
                                 if log_file else _Console(sys.stderr))
@@ -324,6 +311,10 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
                metrics_at: str | None = None) -> tuple[Summary, list[tuple[str, int]]]:
     """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
     line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
+    import asyncio
+
+    from .source import IdsFile
+
     errors = ErrorTally(attempts=True)
     live = LiveView(sys.stderr, errors) if progress and sys.stderr.isatty() else None
     every = 0.25 if live is not None else config.progress_interval
@@ -426,6 +417,9 @@ def _spool(source: BinaryIO) -> tuple[str, int]:
     IDs file more than once): its path and an open descriptor, flock()ed while the run lives.
     The run removes it at its end; one that was killed (``kill -9``) could not: the next run
     that copies IDs removes such leftovers."""
+    import fcntl
+    import tempfile
+
     for old in Path(tempfile.gettempdir()).glob(f"{SPOOL}*"):
         with contextlib.suppress(OSError):
             st = os.lstat(old)
@@ -447,6 +441,8 @@ def _spool(source: BinaryIO) -> tuple[str, int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .source import is_stream, prescan_file
+
     config = _config_for_run(args)
     handler = setup_logging(config, args.log_format, args.log_file)
     try:
@@ -501,6 +497,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _known_lines(config: Config, ids_path: str) -> int | None:
+    from .source import file_identity
+    from .sqlstore import DB
+    from .store import read_store
+
     if config.state_url is not None or not (Path(config.state_dir) / DB).exists():
         return None
     try:
@@ -510,6 +510,11 @@ def _known_lines(config: Config, ids_path: str) -> int | None:
 
 
 def _dry_run(config: Config, ids_path: str) -> int:
+    import asyncio
+
+    from .source import CHUNK_IDS, SeenIds, file_ids
+    from .store import read_store
+
     store = read_store(config.state, missing_ok=True, job=config.job)
 
     async def count() -> tuple[int, int, int]:
@@ -548,6 +553,8 @@ def _dry_run(config: Config, ids_path: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .report import status, status_text
+
     config = load_config(args, need_env=False, need_url=False)
     has_config = bool(args.config) or Path("config.toml").is_file()
     s = status(config, endpoint="" if has_config else None)  # "": from the config's URL
@@ -556,6 +563,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .report import export
+
     config = load_config(args, need_env=False, need_url=False)
     fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
     export(config, outcome=args.outcome, fmt=args.format, fields=fields,
@@ -567,6 +576,9 @@ DEMO_QUOTA = 1200  # the mock's requests per second; past it: 429 + Retry-After
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .source import prescan_file
     from .testing import MockAPI, demo_faults
 
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")

@@ -12,16 +12,12 @@ quotes one. See SECURITY.md.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
 import logging
 import math
 import os
 import re
-import ssl
-import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -34,6 +30,11 @@ from .errors import ConfigError
 log = logging.getLogger("asyncrawl")
 
 PG_SCHEMES = ("postgresql://", "postgres://")  # a [state] url: a PostgreSQL store
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """Whether a ``--state`` / ``[state]`` location names a PostgreSQL database."""
+    return isinstance(location, str) and location.startswith(PG_SCHEMES)
 
 DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
@@ -192,6 +193,8 @@ class Config:
         ``${VAR}`` that is not set is no error then (the value is never sent anywhere).
         ``need_url=False``: for ``status`` and ``export``, which read only the state, a file
         without ``[request] url`` is no error (a file that names just the state will do)."""
+        import tomllib  # (here, as ssl, hashlib and base64 below: what --help never needs)
+
         p = Path(path)
         try:
             with p.open("rb") as f:
@@ -423,6 +426,8 @@ def _credential_parts(value: str, *, cookie: bool = False) -> set[str]:
         token = m.group(2).strip()
         parts.add(token)
         if m.group(1).lower() == "basic":
+            import base64
+
             try:
                 decoded = base64.b64decode(token, validate=True).decode("utf-8")
             except (ValueError, UnicodeDecodeError):
@@ -664,6 +669,8 @@ def _check_keys(c: Config) -> None:
 def key_fingerprint(key: str) -> str:
     """What the ledger and the logs call an API key: the first 8 hex digits of its SHA-256
     (``printf %s "$KEY" | sha256sum | cut -c1-8``), never the key."""
+    import hashlib
+
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
 
 
@@ -719,6 +726,8 @@ _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
 
 def _check_ca_bundle(path: str) -> None:
     """The CA bundle must load (a PEM file, or a directory of hashed certificates)."""
+    import ssl
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
         if os.path.isdir(path):

@@ -8,7 +8,6 @@ this module computes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -120,6 +119,8 @@ async def tick(progress: Callable[[], Progress], state_dir: Path | None,
     """Until cancelled: every second the live snapshot for ``asyncrawl status`` (``live.json``
     in ``state_dir``, or ``publish``: a shared job's database); and ``on_progress`` every
     ``every`` seconds."""
+    import asyncio  # (here: ``status`` reads live.json without it)
+
     step = min(every, LIVE_EVERY)
     last_hook = time.monotonic()
     last_live = 0.0

@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 import threading
 import time
@@ -66,7 +65,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .config import PG_SCHEMES, endpoint_of
+from .config import endpoint_of, is_url
 from .errors import ConfigError, StorageError, require_extra
 from .records import (
     EXPORT_STATES,
@@ -242,11 +241,6 @@ def _add_calls(table: str, what: str) -> str:
 
 ADD_LEDGER = _add_calls("asyncrawl_ledger", "endpoint")
 ADD_KEY_LEDGER = _add_calls("asyncrawl_key_ledger", "key")
-
-
-def is_url(location: str | os.PathLike[str]) -> bool:
-    """Whether a ``--state`` / ``[state]`` location names a PostgreSQL database."""
-    return isinstance(location, str) and location.startswith(PG_SCHEMES)
 
 
 def _psycopg() -> Any:

@@ -35,6 +35,8 @@ from .types import Halt, Result
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
 # what ``export --outcome X`` takes: the states of each outcome
 EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
+EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")  # export --outcome
+EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")  # export --format
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
 
 

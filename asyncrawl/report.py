@@ -22,16 +22,13 @@ import orjson
 from .config import Config, endpoint_of
 from .errors import ConfigError, StorageError, output_error
 from .live import read_live
-from .pgstore import PgStore
 from .progress import halt_text
-from .records import Record
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
 from .store import read_store
 from .types import Halt
 
 __all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
 
-EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
-EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 
 
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
@@ -86,7 +83,10 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     }
     if snap.running is not None and config.state_url is None:
         out["live"] = read_live(Path(config.state_dir))
-    if isinstance(store, PgStore):  # a shared job: each working process's progress
+    if config.state_url is not None:  # a shared job: each working process's progress
+        from .pgstore import PgStore
+
+        assert isinstance(store, PgStore)
         out["live_runs"] = store.live()
     if price is not None:
         out["cost"] = round(billable * price, 6)

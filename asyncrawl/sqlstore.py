@@ -45,7 +45,6 @@ grow with the list. A state directory made by the journal of earlier releases
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import itertools
@@ -54,9 +53,9 @@ import os
 import sqlite3
 import tempfile
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -77,6 +76,7 @@ from .records import (
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
+T = TypeVar("T")
 
 DB = "state.db"
 SCHEMA_VERSION = 4  # 2: key_ledger; 3: payloads; 4: payloads in pieces
@@ -199,6 +199,14 @@ ADD_LEDGER = _add_calls("ledger", "endpoint")
 ADD_KEY_LEDGER = _add_calls("key_ledger", "key")
 
 
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``asyncio.to_thread``, asyncio imported on the first call: ``status`` and ``export``,
+    which read the store without an event loop, start ~20 ms sooner without it."""
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args)
+
+
 def _storage_error(e: sqlite3.Error, path: Path, doing: str) -> StorageError:
     """An SQLite error in an operator's words (disk full, I/O error, damaged database)."""
     text = str(e)
@@ -247,7 +255,7 @@ class SqliteStore:
     @classmethod
     async def open(cls, state_dir: str | os.PathLike[str]) -> SqliteStore:
         """Create or open the store: lock it, import an old journal, close a crashed run."""
-        return await asyncio.to_thread(cls._open_sync, Path(state_dir))
+        return await _off_loop(cls._open_sync, Path(state_dir))
 
     @classmethod
     def _open_sync(cls, d: Path) -> SqliteStore:
@@ -338,7 +346,7 @@ class SqliteStore:
         return self.job
 
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]:
-        return await asyncio.to_thread(self._lookup, list(ids))
+        return await _off_loop(self._lookup, list(ids))
 
     def _lookup(self, ids: list[str]) -> dict[str, str]:
         with self._reading():
@@ -347,7 +355,7 @@ class SqliteStore:
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """Of a chunk of this run's IDs, those it has not seen before, in order, with their
         state; and how many were duplicates."""
-        return await asyncio.to_thread(self._admit, list(ids))
+        return await _off_loop(self._admit, list(ids))
 
     def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None]], int]:
         db = self._reader
@@ -374,7 +382,7 @@ class SqliteStore:
     async def run_counts(self, *, whole: bool = False) -> Counts:
         """This run's IDs (every one ``admit`` took) by their state now; ``whole``: every ID
         of the job (a run that read its one IDs file on from the frontier) plus those."""
-        return await asyncio.to_thread(self._run_counts, whole)
+        return await _off_loop(self._run_counts, whole)
 
     def _run_counts(self, whole: bool) -> Counts:
         db = self._reader
@@ -690,7 +698,7 @@ class SqliteStore:
                 os.close(self._lock_fd)  # releases the lock
                 self._lock_fd = -1
 
-        await asyncio.to_thread(close)
+        await _off_loop(close)
 
 
 def _import_journal(d: Path) -> None:

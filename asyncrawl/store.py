@@ -50,8 +50,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, overload
 
+from .config import is_url
 from .errors import ConfigError
-from .pgstore import PgStore, is_url
 from .records import Counts, Record, Snapshot
 from .sqlstore import SqliteStore
 
@@ -97,6 +97,9 @@ async def open_store(location: str | os.PathLike[str], job: str = "default", *,
     name), opened for a run (a state directory: locked). A shared job's ``lease`` and
     ``cooldown`` (seconds before a failure of pass 1 may be taken by pass 2)."""
     if is_url(location):
+        from .pgstore import PgStore  # (only here: the commands of a state directory start
+        #                               faster without it, and it imports asyncio)
+
         return await PgStore.open(str(location), job, lease, cooldown)
     return await SqliteStore.open(location)
 
@@ -113,6 +116,8 @@ def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False,
     """The store at ``location``, read-only and unlocked (a run may be going). Where no run
     ever wrote: ``None`` if ``missing_ok``, else ``ConfigError`` (a wrong ``--state``)."""
     if is_url(location):
+        from .pgstore import PgStore
+
         try:
             return PgStore.reader(str(location), job)
         except ConfigError:

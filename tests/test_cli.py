@@ -675,6 +675,33 @@ def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:
     assert r.returncode == 2 and "request.url" in r.stderr  # a run does need it
 
 
+def test_the_commands_that_send_nothing_load_neither_the_http_stack_nor_asyncio(
+        tmp_path: Path) -> None:
+    """``--help``, ``status`` and ``export`` of a state directory import neither aiohttp nor
+    asyncio (nor ssl): they start in about half the time (bench/startup.py)."""
+    from asyncrawl.records import Record
+    from asyncrawl.store import open_store
+
+    async def make() -> None:
+        store = await open_store(tmp_path / "state")
+        store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None}),
+                      Record("ok", "a", status=200, data={"v": 1}, paid=1, tries=1)])
+        await store.close()
+
+    asyncio.run(make())
+    probe = ("import sys, contextlib, io\n"
+             "from asyncrawl.cli import main\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+             "    code = main(sys.argv[1:])\n"
+             "print(sorted(m for m in ('aiohttp', 'asyncio', 'ssl') if m in sys.modules))\n")
+    state = str(tmp_path / "state")
+    for argv in (["--help"], ["status", "--state", state, "--json"],
+                 ["export", "--state", state, "--format", "jsonl"]):
+        r = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True,
+                           text=True, cwd=tmp_path)
+        assert (r.returncode, r.stdout.strip()) == (0, "[]"), (argv, r.stdout, r.stderr)
+
+
 # -- 8. secrets --------------------------------------------------------------------------------
 
 
