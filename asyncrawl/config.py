@@ -36,6 +36,7 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     """Whether a ``--state`` / ``[state]`` location names a PostgreSQL database."""
     return isinstance(location, str) and location.startswith(PG_SCHEMES)
 
+
 DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials

@@ -35,8 +35,10 @@ from .types import Halt, Result
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
 # what ``export --outcome X`` takes: the states of each outcome
 EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
-EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")  # export --outcome
-EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")  # export --format
+# ``export``'s choices (here, beside the states they read, so that the command line offers them
+# without importing the report module and the stores behind it)
+EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
+EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
 
 

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from .config import Config, endpoint_of
+from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, output_error
 from .live import read_live
 from .progress import halt_text
@@ -28,7 +28,6 @@ from .store import read_store
 from .types import Halt
 
 __all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
-
 
 
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
@@ -83,7 +82,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     }
     if snap.running is not None and config.state_url is None:
         out["live"] = read_live(Path(config.state_dir))
-    if config.state_url is not None:  # a shared job: each working process's progress
+    if is_url(config.state):  # a shared job: each working process's progress
         from .pgstore import PgStore
 
         assert isinstance(store, PgStore)

@@ -55,7 +55,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import orjson
 
@@ -77,6 +77,7 @@ from .types import Halt
 
 log = logging.getLogger("asyncrawl")
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DB = "state.db"
 SCHEMA_VERSION = 4  # 2: key_ledger; 3: payloads; 4: payloads in pieces
@@ -199,12 +200,12 @@ ADD_LEDGER = _add_calls("ledger", "endpoint")
 ADD_KEY_LEDGER = _add_calls("key_ledger", "key")
 
 
-async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+async def _off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``asyncio.to_thread``, asyncio imported on the first call: ``status`` and ``export``,
     which read the store without an event loop, start ~20 ms sooner without it."""
     import asyncio
 
-    return await asyncio.to_thread(fn, *args)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 def _storage_error(e: sqlite3.Error, path: Path, doing: str) -> StorageError:

@@ -52,8 +52,11 @@ def write_job(work: Path, url: str, n: int, concurrency: int) -> Path:
 
 def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
     """One timed run in this (fresh) process: requests per second."""
+    sys.path.insert(0, str(BENCH))
+    from throughput import preimport
+
+    preimport(kind)  # (outside the timed section, alike for every kind)
     if kind == "baseline":
-        sys.path.insert(0, str(BENCH))
         from throughput import run_baseline
 
         t0 = time.perf_counter()
@@ -61,8 +64,6 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         elapsed = time.perf_counter() - t0
     else:
         import asyncrawl.cli
-        import asyncrawl.crawler  # (cli.main imports it on first use: outside the timed
-        #                             section here, as the baseline's aiohttp is)
 
         os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
         cfg = write_job(work, url, n, concurrency)

@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true")
     p.add_argument("--resume-only", action="store_true", help="build and resume only")
     args = p.parse_args(argv)
+    from throughput import compile_package
+
+    compile_package()  # (the commands timed start as an installed asyncrawl's do)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(args.workdir or tempfile.mkdtemp(prefix="asyncrawl-scale-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,9 @@ def main() -> int:
     ap.add_argument("--scrapy-venv", default=str(BENCH / ".scrapy-venv"))
     args = ap.parse_args()
     python = scrapy_python(Path(args.scrapy_venv))
+    from throughput import compile_package
+
+    compile_package()  # (as an installed asyncrawl is: its modules not compiled at each start)
     version = subprocess.run([str(python), "-m", "scrapy", "version"], capture_output=True,
                              text=True).stdout.strip()
     got: dict[str, list[float]] = {"cli": [], "scrapy": []}

@@ -20,7 +20,8 @@ requests in flight:
 All run in the default asyncio event loop, each run in a fresh Python subprocess, alternating
 (baseline, cli, library, baseline, ...) for ``--rounds`` rounds. The timed section covers
 session/crawler setup, all requests, and teardown (for asyncrawl: the final fsync); interpreter
-start-up, imports and writing the input files are excluded.
+start-up, imports (``preimport``: what ``asyncrawl run`` would import on its first call too;
+the package byte-compiled first, ``compile_package``) and writing the input files are excluded.
 
 How to read the result
 ----------------------
@@ -43,7 +44,9 @@ Usage::
 ``--against TREE`` adds ``cli@ref`` and ``library@ref``: the same kinds run from another checkout
 (``TREE/.venv``), alternating with the others in every round, so that a change is judged
 against the same baseline runs: ``git worktree add /tmp/before HEAD~1`` (plus its venv) and
-``--against /tmp/before``.
+``--against /tmp/before``. The other tree's kinds run its own copy of this script: one from
+before 0f5f52f (2026-12-02) times the import of asyncrawl's HTTP stack (~25 ms with compiled
+modules, ~1 % of a 20,000-request run) unless its worker gets the same ``preimport``.
 
 ``--intent-cost`` adds a kind, ``no-intent``: the ``library`` crawl with the durable "sent" record
 (written before each request, for the in-doubt report) switched off in the worker process, and
@@ -199,16 +202,31 @@ def free_store() -> list[int]:
     return dropped
 
 
+def preimport(kind: str) -> None:
+    """Import, before the clock starts, what a kind's timed section would otherwise import:
+    aiohttp and orjson for every kind, and for asyncrawl's what ``asyncrawl run`` imports on
+    its first call (the command imports the HTTP stack only when it sends); uvloop for the
+    uvloop kinds. The timed sections then hold the crawls alone, alike for every kind."""
+    import aiohttp  # noqa: F401
+    import orjson  # noqa: F401
+
+    if not kind.startswith("baseline"):
+        import logging.handlers  # noqa: F401
+        import tomllib  # noqa: F401
+
+        import asyncrawl.cli
+        import asyncrawl.crawler  # noqa: F401
+    if kind.endswith("uvloop"):
+        import uvloop  # noqa: F401
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """Time one run and print its figures as one JSON line on stdout."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    import aiohttp  # noqa: F401  -- imports outside the timed section
-    import orjson  # noqa: F401
-
+    preimport(args.worker)
     if not args.worker.startswith("baseline"):
         import asyncrawl.cli  # (the cli kind calls it; imported for both asyncrawl kinds)
-        import asyncrawl.crawler  # what ``run`` imports on its first call
     else:  # the allocator regime asyncrawl sets for its reads: the baseline does not pay
         from asyncrawl.fetch import keep_reads_off_mmap  # three system calls a read either
 
