@@ -70,7 +70,8 @@ def scrapy_python(venv: Path) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"installing Scrapy into {venv} (once)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # (where a symlink points: one left dangling, its target gone with /tmp, is made again)
+        subprocess.run([sys.executable, "-m", "venv", str(venv.resolve())], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", "scrapy"], check=True)
     return python
 
