@@ -133,24 +133,33 @@ def run_child(args: list[str], *, until_first_request: Path | None = None,
               timeout: float = 3600) -> tuple[float, float, float | None]:
     """Run ``asyncrawl ARGS``; (wall s, peak RSS MB, s to the first request in the mock log).
     The peak RSS is measured by GNU time (``/usr/bin/time``): a child forked from this big
-    process would report this process's size as its own high-water mark."""
+    process would report this process's size as its own high-water mark. A command that fails
+    (a resume stopped at its first request exits 130) stops the bench with its stderr."""
     rss_file = Path(tempfile.mkstemp(prefix="rss-")[1])
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([TIME, "-f", "%M", "-o", str(rss_file), sys.executable, "-m",
-                             "asyncrawl", *args], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, "SCALE_KEY": KEY})
-    first = None
-    if until_first_request is not None:
-        deadline = t0 + timeout
-        while first is None and time.perf_counter() < deadline and proc.poll() is None:
-            if until_first_request.exists() and until_first_request.stat().st_size:
-                first = time.perf_counter() - t0
-                for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
-                    os.kill(int(child), signal.SIGINT)  # the run under GNU time
-                break
-            time.sleep(0.005)
-    proc.wait(timeout)
-    wall = time.perf_counter() - t0
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        # (run from the temp directory: the repository's example config.toml is not read)
+        proc = subprocess.Popen([TIME, "-f", "%M", "-o", str(rss_file), sys.executable, "-m",
+                                 "asyncrawl", *args], cwd=tempfile.gettempdir(),
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, "SCALE_KEY": KEY})
+        first = None
+        if until_first_request is not None:
+            deadline = t0 + timeout
+            while first is None and time.perf_counter() < deadline and proc.poll() is None:
+                if until_first_request.exists() and until_first_request.stat().st_size:
+                    first = time.perf_counter() - t0
+                    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+                    for child in children.split():
+                        os.kill(int(child), signal.SIGINT)  # the run under GNU time
+                    break
+                time.sleep(0.005)
+        proc.wait(timeout)
+        wall = time.perf_counter() - t0
+        if proc.returncode != (130 if until_first_request is not None else 0):
+            err.seek(0)
+            raise SystemExit(f"asyncrawl {' '.join(args)} exited {proc.returncode}:\n"
+                             f"{err.read().decode(errors='replace')[-2000:]}")
     rss_kb = int(rss_file.read_text().split()[-1] or 0)
     rss_file.unlink()
     return wall, rss_kb / 1024, first
