@@ -184,7 +184,7 @@ ON CONFLICT (id) DO UPDATE SET
     doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
 """
 UPSERT_SENT = """
-INSERT INTO items (id, sent_run, sends) VALUES {values}
+INSERT INTO items (id, sent_run, sends) SELECT value, ?, 1 FROM json_each(?) WHERE true
 ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
 """
 
@@ -236,7 +236,8 @@ class SqliteStore:
         self._endpoint = ""
         self._dead = False
         self._frontier_ok = False  # the run reads the job's one IDs file: keep its frontier
-        self._day = (-1, "")  # (days since the epoch, UTC date) of the last record applied
+        # (days since the epoch, UTC date, its start and end) of the last record applied
+        self._day: tuple[int, str, float, float] = (-1, "", 0.0, -1.0)
         self._next_payload: int | None = None  # the number of the next payload row written
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -462,41 +463,58 @@ class SqliteStore:
 
     def _apply_grouped(self, records: Sequence[Record]) -> None:
         groups = _Groups()
-        day = self._day
+        sent, outcomes = groups.sent, groups.outcomes
+        # the calls of the current UTC date, counted here and added to the ledger's rows when
+        # the date changes and at the end (a Counter update a record costs as much as the rest)
+        calls = billable = 0
+        day = self._day  # (days since the epoch, its UTC date, when it starts, when it ends)
         for rec in records:
-            kind = rec.kind
-            days = int(rec.ts // 86400)
-            if days != day[0]:  # the UTC date, computed once a day
-                day = self._day = (days, utc_day(rec.ts))
+            kind, ts = rec.kind, rec.ts
+            if not day[2] <= ts < day[3]:  # another UTC date (computed once a day)
+                self._count_calls(groups, day[1], calls, billable)
+                calls = billable = 0
+                days = int(ts // 86400)
+                day = self._day = (days, utc_day(ts), days * 86400.0, (days + 1) * 86400.0)
             if kind == "sent":
-                groups.sent.append((rec.id, self._run, 1))
-                groups.ledger[(day[1], self._endpoint, "sent")] += 1
+                sent.append(rec.id)
+                calls += 1
                 if rec.key is not None:
                     groups.keys[(day[1], rec.key, "sent")] += 1
             elif kind in OUTCOME_KINDS:
-                groups.outcomes.append((rec.id, rec.state, rec.status, rec.error, rec.pass_no,
-                                        rec.tries, rec.paid, rec.ts,
-                                        rec.stored_payload() if kind == "ok" else None))
+                outcomes.append((rec.id, "perm" if rec.permanent and kind == "failed" else kind,
+                                 rec.status, rec.error, rec.pass_no, rec.tries, rec.paid, ts,
+                                 rec.stored_payload() if kind == "ok" else None))
             elif kind == "billed":
                 groups.billed.append((rec.paid, rec.id))
             elif kind == "run":
+                self._count_calls(groups, day[1], calls, billable)
+                calls = billable = 0
                 self._flush(groups)
                 groups = _Groups()
+                sent, outcomes = groups.sent, groups.outcomes
                 self._start_run(rec)
             else:
                 groups.last.append(rec)
             if rec.paid:
-                groups.ledger[(day[1], self._endpoint, "billable")] += rec.paid
+                billable += rec.paid
                 if rec.key is not None or rec.extra:
                     for key, n in rec.paid_keys().items():
                         groups.keys[(day[1], key, "billable")] += n
+        self._count_calls(groups, day[1], calls, billable)
         self._flush(groups)
+
+    def _count_calls(self, groups: _Groups, day: str, calls: int, billable: int) -> None:
+        """Add a date's calls to the batch's ledger rows (of this run's endpoint)."""
+        if calls:
+            groups.ledger[(day, self._endpoint, "sent")] += calls
+        if billable:
+            groups.ledger[(day, self._endpoint, "billable")] += billable
 
     def _flush(self, g: _Groups) -> None:
         """One statement per group (multi-row VALUES): SQLite does the rows in one call that
         runs without the GIL, instead of giving it back and taking it again for every row."""
-        if g.sent:
-            _many(self._db, UPSERT_SENT, g.sent)
+        if g.sent:  # (the IDs as one JSON array: one parameter, not three a row)
+            self._db.execute(UPSERT_SENT, (self._run, orjson.dumps(g.sent).decode()))
         if g.outcomes:
             _many(self._db, UPSERT_OUTCOME, self._store_payloads(g.outcomes))
         if g.billed:
@@ -794,7 +812,7 @@ class _Groups:
     __slots__ = ("billed", "keys", "last", "ledger", "outcomes", "sent")
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str | None, int | None, int]] = []
+        self.sent: list[str | None] = []  # the IDs of the intents
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
         self.ledger: Counter[tuple[str, str, str]] = Counter()
