@@ -183,8 +183,14 @@ ON CONFLICT (id) DO UPDATE SET
     sent_run = NULL,
     doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
 """
+# A batch's intents: its IDs as one JSON array (one parameter, not three a row), or, where an
+# ID holds a NUL (which json_each of SQLite before 3.45 cuts the string at), as rows.
 UPSERT_SENT = """
 INSERT INTO items (id, sent_run, sends) SELECT value, ?, 1 FROM json_each(?) WHERE true
+ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
+"""
+UPSERT_SENT_ROWS = """
+INSERT INTO items (id, sent_run, sends) VALUES {values}
 ON CONFLICT (id) DO UPDATE SET sent_run = excluded.sent_run, sends = sends + 1
 """
 
@@ -480,7 +486,7 @@ class SqliteStore:
                 calls += 1
                 if rec.key is not None:
                     groups.keys[(day[1], rec.key, "sent")] += 1
-            elif kind in OUTCOME_KINDS:
+            elif kind in OUTCOME_KINDS:  # (the state: records.state_of, written out)
                 outcomes.append((rec.id, "perm" if rec.permanent and kind == "failed" else kind,
                                  rec.status, rec.error, rec.pass_no, rec.tries, rec.paid, ts,
                                  rec.stored_payload() if kind == "ok" else None))
@@ -511,10 +517,15 @@ class SqliteStore:
             groups.ledger[(day, self._endpoint, "billable")] += billable
 
     def _flush(self, g: _Groups) -> None:
-        """One statement per group (multi-row VALUES): SQLite does the rows in one call that
-        runs without the GIL, instead of giving it back and taking it again for every row."""
-        if g.sent:  # (the IDs as one JSON array: one parameter, not three a row)
-            self._db.execute(UPSERT_SENT, (self._run, orjson.dumps(g.sent).decode()))
+        """One statement per group (multi-row VALUES, or the intents' IDs as a JSON array):
+        SQLite does the rows in one call that runs without the GIL, instead of giving it back
+        and taking it again for every row."""
+        if g.sent:
+            ids = orjson.dumps(g.sent).decode()
+            if "\\u0000" not in ids:
+                self._db.execute(UPSERT_SENT, (self._run, ids))
+            else:
+                _many(self._db, UPSERT_SENT_ROWS, [(item, self._run, 1) for item in g.sent])
         if g.outcomes:
             _many(self._db, UPSERT_OUTCOME, self._store_payloads(g.outcomes))
         if g.billed:

@@ -118,6 +118,19 @@ async def test_ok_is_final_and_later_bills_still_count(tmp_path: Path) -> None:
     assert db_rows(state, "SELECT paid FROM items WHERE id = 'a'") == [(2,)]
 
 
+async def test_intents_keep_every_id_exactly_as_it_is(tmp_path: Path) -> None:
+    """A batch's intents go in as one JSON array: every ID comes back as it was, in order, a
+    duplicate counted twice; one holding a NUL (which json_each of SQLite before 3.45 cuts the
+    string at) too."""
+    state = tmp_path / "state"
+    odd = ["plain", 'q"uote', "back\\slash", "\u2028line", "tab\tx", "🐍 snake", "123", "null",
+           "\\u0041", "x" * 1024]
+    await committed(state, [Record.sent(item) for item in [*odd, "plain"]])
+    await committed(state, [Record.sent(item) for item in ["a\x00b", "c"]])
+    assert db_rows(state, "SELECT id, sends FROM items ORDER BY rowid") == [
+        *((item, 2 if item == "plain" else 1) for item in odd), ("a\x00b", 1), ("c", 1)]
+
+
 async def test_payloads_are_stored_apart_once_per_id(tmp_path: Path) -> None:
     """Each ok payload is a row of ``payloads``, the item's row holds its number; a second ok
     of an ID (in the same batch or a later one) stores nothing, so no payload row is left
