@@ -652,19 +652,24 @@ def test_ids_from_a_pipe_path_are_read_once_and_fetched(tmp_path: Path,
     assert not list(tmp_path.glob("asyncrawl-ids-*"))  # the copy is gone with the run
 
 
-def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:
-    """A config that names only the state will do for ``status`` and ``export`` (they send
-    nothing)."""
+def one_ok_state(state: Path) -> None:
+    """A state directory of one run that fetched one ID, "a", ok (written by the store)."""
     from asyncrawl.records import Record
     from asyncrawl.store import open_store
 
     async def make() -> None:
-        store = await open_store(tmp_path / "state")
+        store = await open_store(state)
         store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None}),
                       Record("ok", "a", status=200, data={"v": 1}, paid=1, tries=1)])
         await store.close()
 
     asyncio.run(make())
+
+
+def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:
+    """A config that names only the state will do for ``status`` and ``export`` (they send
+    nothing)."""
+    one_ok_state(tmp_path / "state")
     cfg = tmp_path / "only-state.toml"
     cfg.write_text(f'[state]\ndir = "{tmp_path / "state"}"\n')
     r = cli("status", "-c", str(cfg), "--json")
@@ -679,16 +684,7 @@ def test_the_commands_that_send_nothing_load_neither_the_http_stack_nor_asyncio(
         tmp_path: Path) -> None:
     """``--help``, ``status`` and ``export`` of a state directory import neither aiohttp nor
     asyncio (nor ssl): they start in about half the time (bench/startup.py)."""
-    from asyncrawl.records import Record
-    from asyncrawl.store import open_store
-
-    async def make() -> None:
-        store = await open_store(tmp_path / "state")
-        store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None}),
-                      Record("ok", "a", status=200, data={"v": 1}, paid=1, tries=1)])
-        await store.close()
-
-    asyncio.run(make())
+    one_ok_state(tmp_path / "state")
     probe = ("import sys, contextlib, io\n"
              "from asyncrawl.cli import main\n"
              "code = 0\n"
