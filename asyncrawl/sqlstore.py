@@ -71,6 +71,7 @@ from .records import (
     Snapshot,
     call_rows,
     in_order_parts,
+    state_of,
     utc_day,
 )
 from .types import Halt
@@ -468,58 +469,43 @@ class SqliteStore:
             self._apply_grouped(part)
 
     def _apply_grouped(self, records: Sequence[Record]) -> None:
-        groups = _Groups()
-        sent, outcomes = groups.sent, groups.outcomes
-        # the calls of the current UTC date, counted here and added to the ledger's rows when
-        # the date changes and at the end (a Counter update a record costs as much as the rest)
-        calls = billable = 0
+        groups = _Groups(self._day[1])
         day = self._day  # (days since the epoch, its UTC date, when it starts, when it ends)
         for rec in records:
             kind, ts = rec.kind, rec.ts
             if not day[2] <= ts < day[3]:  # another UTC date (computed once a day)
-                self._count_calls(groups, day[1], calls, billable)
-                calls = billable = 0
                 days = int(ts // 86400)
                 day = self._day = (days, utc_day(ts), days * 86400.0, (days + 1) * 86400.0)
+                groups.count_calls(self._endpoint, day[1])
             if kind == "sent":
-                sent.append(rec.id)
-                calls += 1
+                groups.sent.append(rec.id)
+                groups.calls += 1
                 if rec.key is not None:
                     groups.keys[(day[1], rec.key, "sent")] += 1
-            elif kind in OUTCOME_KINDS:  # (the state: records.state_of, written out)
-                outcomes.append((rec.id, "perm" if rec.permanent and kind == "failed" else kind,
-                                 rec.status, rec.error, rec.pass_no, rec.tries, rec.paid, ts,
-                                 rec.stored_payload() if kind == "ok" else None))
+            elif kind in OUTCOME_KINDS:
+                groups.outcomes.append((rec.id, state_of(kind, rec.permanent), rec.status,
+                                        rec.error, rec.pass_no, rec.tries, rec.paid, ts,
+                                        rec.stored_payload() if kind == "ok" else None))
             elif kind == "billed":
                 groups.billed.append((rec.paid, rec.id))
             elif kind == "run":
-                self._count_calls(groups, day[1], calls, billable)
-                calls = billable = 0
                 self._flush(groups)
-                groups = _Groups()
-                sent, outcomes = groups.sent, groups.outcomes
+                groups = _Groups(day[1])
                 self._start_run(rec)
             else:
                 groups.last.append(rec)
             if rec.paid:
-                billable += rec.paid
+                groups.billable += rec.paid
                 if rec.key is not None or rec.extra:
                     for key, n in rec.paid_keys().items():
                         groups.keys[(day[1], key, "billable")] += n
-        self._count_calls(groups, day[1], calls, billable)
         self._flush(groups)
-
-    def _count_calls(self, groups: _Groups, day: str, calls: int, billable: int) -> None:
-        """Add a date's calls to the batch's ledger rows (of this run's endpoint)."""
-        if calls:
-            groups.ledger[(day, self._endpoint, "sent")] += calls
-        if billable:
-            groups.ledger[(day, self._endpoint, "billable")] += billable
 
     def _flush(self, g: _Groups) -> None:
         """One statement per group (multi-row VALUES, or the intents' IDs as a JSON array):
         SQLite does the rows in one call that runs without the GIL, instead of giving it back
         and taking it again for every row."""
+        g.count_calls(self._endpoint, g.day)
         if g.sent:
             ids = orjson.dumps(g.sent).decode()
             if "\\u0000" not in ids:
@@ -818,17 +804,30 @@ def _build_from_journal(journal: Path, path: Path) -> int:
 
 
 class _Groups:
-    """A batch's records by kind, as statement parameters (see ``SqliteStore._apply``)."""
+    """A batch's records by kind, as statement parameters (see ``SqliteStore._apply``), and
+    the calls of its current UTC date (``day``), counted in two integers rather than a
+    ``Counter`` update a record, and added to the ledger's rows by ``count_calls``."""
 
-    __slots__ = ("billed", "keys", "last", "ledger", "outcomes", "sent")
+    __slots__ = ("billable", "billed", "calls", "day", "keys", "last", "ledger", "outcomes",
+                 "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, day: str) -> None:
         self.sent: list[str | None] = []  # the IDs of the intents
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
         self.ledger: Counter[tuple[str, str, str]] = Counter()
         self.keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         self.last: list[Record] = []  # halt, end
+        self.day, self.calls, self.billable = day, 0, 0
+
+    def count_calls(self, endpoint: str, next_day: str) -> None:
+        """Add the calls counted for ``day`` to the ledger's rows (of ``endpoint``), and count
+        ``next_day``'s from zero."""
+        if self.calls:
+            self.ledger[(self.day, endpoint, "sent")] += self.calls
+        if self.billable:
+            self.ledger[(self.day, endpoint, "billable")] += self.billable
+        self.day, self.calls, self.billable = next_day, 0, 0
 
 
 ROWS_PER_STATEMENT = 256  # x at most 10 parameters: well below SQLite's limit of 32,766

@@ -36,6 +36,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))  # (throughput's helpers, slowdisk)
 
 
 def write_job(work: Path, url: str, n: int, concurrency: int) -> Path:
@@ -52,7 +53,6 @@ def write_job(work: Path, url: str, n: int, concurrency: int) -> Path:
 
 def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
     """One timed run in this (fresh) process: requests per second."""
-    sys.path.insert(0, str(BENCH))
     from throughput import preimport
 
     preimport(kind)  # (outside the timed section, alike for every kind)
@@ -95,10 +95,9 @@ def main() -> int:
         print(json.dumps({"rps": worker(args.worker, args.url, args.ids, args.concurrency,
                                         Path(args.work))}))
         return 0
-    from asyncrawl.testing import MockProcess
-
-    sys.path.insert(0, str(BENCH))
     from throughput import compile_package
+
+    from asyncrawl.testing import MockProcess
 
     compile_package()
     kinds = ["baseline", "cli"]
@@ -116,7 +115,6 @@ def main() -> int:
                         str(args.latency)) as api:
         env = dict(os.environ)
         if args.fsync_delay:
-            sys.path.insert(0, str(BENCH))
             from slowdisk import preload
 
             env.update(preload(args.fsync_delay, Path(tmp)))
