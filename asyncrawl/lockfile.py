@@ -35,6 +35,13 @@ def _dying(pid: int) -> bool:
     return False
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (Linux: ``/proc``; elsewhere ``False``). A run that
+    is gone while its lock is still held leaves its SQLite writing process (``sqlproc``, which
+    inherits the lock) applying what it had read: it exits then, and a rerun waits for that."""
+    return Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists()
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -68,7 +75,8 @@ def lock_state_dir(d: Path) -> int:
                 os.close(lock_fd)
                 raise StorageError(f"cannot lock state directory: {e.strerror}",
                                    path=d) from None
-            if pid.isdigit() and _dying(int(pid)) and time.monotonic() < deadline:
+            if pid.isdigit() and (_dying(int(pid)) or _gone(int(pid))) \
+                    and time.monotonic() < deadline:
                 time.sleep(0.02)  # its files close once the call it is stuck in returns
                 continue
             os.close(lock_fd)

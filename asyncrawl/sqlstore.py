@@ -3,13 +3,17 @@
 Layout of a state directory::
 
     state.db, state.db-wal, state.db-shm   the database (WAL mode)
+    intents.log                            a run's ``sent`` intents, durable before the
+                                           database has them (``sqlproc``)
     lock                                   flock()ed by the run that owns the directory
     live.json                              the running job's last progress snapshot
 
 Durability: WAL with ``synchronous = FULL``: a committed transaction survives a crash and a
-power loss. The writer's thread (``writer.Writer``) is the only writer; each group commit is one
-transaction, so one fsync of the WAL. Readers (``status``, ``export``, the run's own lookups)
-read consistent snapshots while it writes.
+power loss. A run's writes go through one process of their own (``sqlproc``: the writer's
+thread, ``writer.Writer``, hands it the batches, and makes the ``sent`` intents durable in
+``intents.log`` first); each of its group commits is one transaction, so one fsync of the WAL,
+and records the number of its last batch ('applied' in ``meta``). Readers (``status``,
+``export``, the run's own lookups) read consistent snapshots while it writes.
 
 Tables (``records.py`` says what each record means)::
 
@@ -52,6 +56,7 @@ import logging
 import os
 import sqlite3
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -74,6 +79,7 @@ from .records import (
     state_of,
     utc_day,
 )
+from .sqlproc import CUT_AT, INTENTS, IntentLog, WriterProcess, pending_intents
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -246,6 +252,10 @@ class SqliteStore:
         # (days since the epoch, UTC date, its start and end) of the last record applied
         self._day: tuple[int, str, float, float] = (-1, "", 0.0, -1.0)
         self._next_payload: int | None = None  # the number of the next payload row written
+        self._proc: WriterProcess | None = None  # a run's: the process that writes (sqlproc)
+        self._intents: IntentLog | None = None
+        self._seq = 0  # the number of the last batch handed to it
+        self._run_seq = 0  # ... and of the last with a ``run`` record (see ``submit``)
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
@@ -274,13 +284,18 @@ class SqliteStore:
             if not (d / DB).exists():
                 _create(d / DB)
             db = _connect(d / DB)
+            store = None
             try:
                 _ensure_schema(db, d / DB)
                 store = cls(d, db, lock_fd=lock_fd)
+                store._apply_logged_intents()
                 store._close_crashed_run()
                 store._reader = _connect(d / DB)
                 store._reader.execute("CREATE TEMP TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
+                store._start_writing_process(lock_fd)
             except BaseException:
+                if store is not None and store._intents is not None:
+                    store._intents.close()
                 db.close()
                 raise
         except sqlite3.Error as e:
@@ -338,6 +353,52 @@ class SqliteStore:
         with self._reading():
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return orjson.loads(row[0]) if row and row[0] is not None else None
+
+    def _start_writing_process(self, lock_fd: int) -> None:
+        """The process that writes for this run (``sqlproc``), and its intent log; where it
+        cannot start (no Python to run it: an embedding application), this process writes."""
+        try:
+            proc = WriterProcess(self.state_dir, lock_fd)
+        except StorageError as e:
+            log.warning("%s; the run writes the state database in its own process", e)
+            return
+        try:
+            self._intents = IntentLog(self.state_dir)
+        except BaseException:
+            proc.close()
+            raise
+        self._proc = proc
+
+    def _apply_logged_intents(self) -> None:
+        """The intents of ``intents.log`` that the last run's writing process did not apply
+        (it died first, or the machine did): applied now, to the last run, in one transaction,
+        which also records the highest batch number seen; then the log is emptied."""
+        db = self._db
+        applied = int(self._meta_json("applied") or 0)
+        logged = list(pending_intents(self.state_dir, applied))
+        if logged:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                self._run = db.execute("SELECT coalesce(max(run), 0) FROM runs").fetchone()[0]
+                job = self._meta_json("job")
+                self._endpoint = endpoint_of(job["url"]) if job else ""
+                self._apply([rec for _, rec in logged])
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('applied', ?)",
+                           (str(logged[-1][0]),))
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+            log.warning("applied %s intents of the last run from %s (its writing process "
+                        "ended before it had)", f"{len(logged):,}", INTENTS)
+            self._run, self._endpoint = None, ""
+        self._seq = max(applied, logged[-1][0] if logged else 0)
+        path = self.state_dir / INTENTS
+        if path.exists() and path.stat().st_size:
+            with open(path, "r+b") as f:
+                f.truncate(0)
+                os.fsync(f.fileno())
 
     def _close_crashed_run(self) -> None:
         """If the last run ended without its ``end`` record, what it had sent without an outcome
@@ -440,6 +501,66 @@ class SqliteStore:
     def commit(self, records: Sequence[Record]) -> frozenset[str]:
         """One transaction for the batch: durable (WAL fsync) when this returns. One process
         owns the state: no intent is refused."""
+        if self._proc is not None:
+            answer: list[StorageError | None] = []
+            ready = threading.Event()
+
+            def done(error: StorageError | None) -> None:
+                answer.append(error)
+                ready.set()
+
+            self.submit(records, done)
+            ready.wait()
+            if answer[0] is not None:
+                raise answer[0]
+            return frozenset()
+        self.apply_batch(records)
+        return frozenset()
+
+    def submit(self, records: Sequence[Record], done: Callable[[StorageError | None], None]
+               ) -> None:
+        """Hand a batch to the writing process (the writer's thread; see ``sqlproc``):
+        ``done(None)`` once it is durable, ``done(error)`` if it cannot be. A batch of
+        ``sent`` intents alone is durable once appended to ``intents.log`` (``done`` is called
+        before this returns), once the run's ``run`` record is in the database (the log's
+        intents are the last run's); any other once the process has committed it."""
+        proc, intents = self._proc, self._intents
+        if proc is None or intents is None:  # (no writing process: written here)
+            try:
+                self.apply_batch(records)
+            except StorageError as e:
+                done(e)
+                return
+            done(None)
+            return
+        if proc.failed is not None:
+            done(proc.failed)
+            return
+        self._seq += 1
+        seq = self._seq
+        if proc.applied >= self._run_seq and all(rec.kind == "sent" for rec in records):
+            try:
+                if intents.size > CUT_AT and proc.applied >= intents.last:
+                    intents.cut()
+                intents.append(seq, records)
+            except StorageError as e:
+                done(e)
+                return
+            proc.send(seq, records, None)
+            done(None)
+        else:
+            if any(rec.kind == "run" for rec in records):
+                self._run_seq = seq
+            proc.send(seq, records, done)
+
+    def drain(self) -> None:
+        """Wait until every batch handed over is durable (or failed)."""
+        if self._proc is not None:
+            self._proc.drain()
+
+    def apply_batch(self, records: Sequence[Record], seq: int | None = None) -> None:
+        """Apply the batch in one transaction (in the writing process: with ``seq``, the
+        number of its last batch, recorded as 'applied')."""
         if self._dead:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=self.path)
@@ -448,6 +569,8 @@ class SqliteStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 self._apply(records)
+                if seq is not None:
+                    db.execute("INSERT OR REPLACE INTO meta VALUES ('applied', ?)", (str(seq),))
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
@@ -456,7 +579,6 @@ class SqliteStore:
         except sqlite3.Error as e:
             self._dead = True
             raise _storage_error(e, self.path, "write the state database") from None
-        return frozenset()
 
     def _apply(self, records: Sequence[Record]) -> None:
         """The one place where records become state. Within a run, an ID's ``sent`` record
@@ -632,13 +754,15 @@ class SqliteStore:
             open_sent = db.execute(f"SELECT count(*) FROM items WHERE {OPEN} AND sent_run "
                                    "IS NOT NULL AND doubt IS NULL").fetchone()[0]
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
+            unapplied = len(self._unapplied_intents())
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
                               "ORDER BY run DESC LIMIT 1").fetchone()
         halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
         counts = Counts(ok=tally.get("ok", 0), failed=tally.get("failed", 0) + tally.get("perm", 0),
                         unavailable=tally.get("unavailable", 0))
+        open_sent += unapplied
         in_doubt = doubt.get(0, 0) + (open_sent if running is None else 0)
-        return Snapshot(counts=counts, sent=sent, in_doubt=in_doubt,
+        return Snapshot(counts=counts, sent=sent + unapplied, in_doubt=in_doubt,
                         billed_twice=doubt.get(1, 0),
                         in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
                         job=self.job, running=running, ledger=tuple(ledger), keys=keys)
@@ -702,9 +826,37 @@ class SqliteStore:
         with self._reading():
             for item, doubt in self._db.execute(query + " ORDER BY rowid"):
                 yield item, doubt == 1
+            if not running:
+                for item in self._unapplied_intents():
+                    yield item, False
+
+    def _unapplied_intents(self) -> list[str]:
+        """The IDs whose ``sent`` intent ``intents.log`` holds beyond what the database has
+        applied (the run's writing process ended first: a storage error, or a crash; the
+        next run applies them), that the database does not list as open or in doubt already:
+        sent, no outcome kept."""
+        applied = int(self._meta_json("applied") or 0)
+        ids = list(dict.fromkeys(str(rec.id) for _, rec in pending_intents(self.state_dir,
+                                                                             applied)))
+        if not ids:
+            return []
+        known = set(orjson.loads(self._db.execute(
+            "SELECT json_group_array(id) FROM items WHERE id IN (SELECT value FROM json_each(?)) "
+            "AND (state IN ('ok', 'unavailable') OR sent_run IS NOT NULL OR doubt IS NOT NULL)",
+            (orjson.dumps(ids).decode(),)).fetchone()[0]))
+        return [item for item in ids if item not in known]
 
     async def close(self) -> None:
         def close() -> None:
+            proc, intents = self._proc, self._intents
+            self._proc = self._intents = None
+            if proc is not None:  # (it applies what it holds, then exits)
+                proc.close()
+            if intents is not None:
+                with contextlib.suppress(StorageError):
+                    if proc is not None and proc.failed is None and proc.applied >= intents.last:
+                        intents.cut()  # (all applied: nothing for the next start to do)
+                intents.close()
             for db in (self._reader, self._db):
                 if db is not None:
                     with contextlib.suppress(sqlite3.Error):

@@ -67,6 +67,8 @@ class Writer:
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self._thread: threading.Thread | None = None
         self.failed: StorageError | None = None
+        # the store takes batches to make durable later (``submit``: SQLite's writing process)
+        self._submits = getattr(store, "submit", None) is not None
         self.commits = 0
         self.written = 0
 
@@ -160,9 +162,12 @@ class Writer:
                     if time.monotonic() < due:
                         held, later = later, []
                 for part in (now, later):
-                    if part:
-                        self._post(self._done, part, *self._write(part))
+                    for piece in (_sent_apart(part) if self._submits else (part,)):
+                        if piece:
+                            self._write(piece)
         finally:
+            with contextlib.suppress(Exception):
+                self._drain()
             self._post(_resolve, done, None)
 
     def _take(self, batch: list[_Entry], entry: _Entry | None) -> bool:
@@ -194,21 +199,43 @@ class Writer:
             self._bell.acquire(timeout=seconds)
         self._napping = False
 
-    def _write(self, batch: list[_Entry]
-               ) -> tuple[bool, StorageError | None, frozenset[str]]:
-        """Commit the batch to the store, unless an earlier batch failed: (durable, error,
-        the IDs whose intent the store refused)."""
+    def _write(self, batch: list[_Entry]) -> None:
+        """Commit the batch to the store, unless an earlier batch failed, and report it back
+        to the loop (``_done``): at once, or, where the store takes batches to make durable
+        later (``submit``: the SQLite store's writing process), once it has."""
         if self.failed is not None:
-            return False, None, _NONE
+            self._post(self._done, batch, False, None, _NONE)
+            return
+        submit = getattr(self.store, "submit", None)
         try:
-            return True, None, self.store.commit([rec for rec, _ in batch])
+            if submit is None:
+                self._post(self._done, batch, True, None,
+                           self.store.commit([rec for rec, _ in batch]))
+            else:
+                submit([rec for rec, _ in batch], lambda error: self._answer(batch, error))
+            return
         except StorageError as e:
             error = e
         except Exception as e:  # a bug: stop writing, as for a storage error
             error = StorageError(f"state writer failed: {type(e).__name__}: {e}",
                                  path=self.store.location)
-        self.failed = error
-        return False, error, _NONE
+        self._answer(batch, error)
+
+    def _answer(self, batch: list[_Entry], error: StorageError | None) -> None:
+        """The batch is durable (``error`` None) or cannot be: to the loop. (The writer's
+        thread, or the thread that reads the store's answers.) The first error is the one
+        reported; nothing is written after it."""
+        if error is not None:
+            first, self.failed = self.failed is None, self.failed or error
+            self._post(self._done, batch, False, error if first else None, _NONE)
+        else:
+            self._post(self._done, batch, True, None, _NONE)
+
+    def _drain(self) -> None:
+        """Wait until what the store took to make durable later is (``submit``)."""
+        drain = getattr(self.store, "drain", None)
+        if drain is not None:
+            drain()
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -261,6 +288,21 @@ def _hold_back(batch: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:
     if not later:
         return batch, []
     return [e for e in batch if e[1] is not None or e[0].kind != "ok"], later
+
+
+def _sent_apart(batch: list[_Entry]) -> list[list[_Entry]]:
+    """The batch cut, in order, where it goes from ``sent`` intents to other records and
+    back: a store that makes intents alone durable sooner (``SqliteStore.submit``) lets the
+    requests go without waiting for the rest. Applied in this order, it is the same."""
+    pieces: list[list[_Entry]] = []
+    sent = None
+    for entry in batch:
+        is_sent = entry[0].kind == "sent"
+        if is_sent is not sent:
+            pieces.append([])
+            sent = is_sent
+        pieces[-1].append(entry)
+    return pieces
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import inspect
 import json
 import os
@@ -79,6 +80,8 @@ REPO_ROOT = BENCH_DIR.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
+from asyncrawl.lockfile import lock_holder  # noqa: E402
+from asyncrawl.sqlproc import pending_intents  # noqa: E402
 from asyncrawl.sqlstore import DB  # noqa: E402
 from asyncrawl.testing import LogEntry, MockProcess, demo_faults, payload_for  # noqa: E402
 from asyncrawl.writer import Writer  # noqa: E402
@@ -174,6 +177,13 @@ class StateReader:
     def settled(self) -> set[str]:
         return {i for i, in self._rows("SELECT id FROM items WHERE state IN ('ok', 'unavailable')")}
 
+    def logged_open(self) -> set[str]:
+        """IDs whose ``sent`` intent only ``intents.log`` holds (beyond the database's
+        'applied' batch: the run's writing process died before applying it), not settled."""
+        applied = self._rows("SELECT value FROM meta WHERE key = 'applied'")
+        logged = pending_intents(self.path.parent, int(applied[0][0]) if applied else 0)
+        return {str(rec.id) for _, rec in logged} - self.settled()
+
     def durable_ok(self) -> set[str]:
         return {i for i, in self._rows("SELECT id FROM items WHERE state = 'ok'")}
 
@@ -182,6 +192,7 @@ class StateReader:
         state): IDs settled by it or with an open intent; those with an open intent."""
         started = self.runs[index][1]
         flying = {i for i, in self._rows("SELECT id FROM items WHERE sent_run IS NOT NULL")}
+        flying |= self.logged_open()
         settled = {i for i, in self._rows(
             f"SELECT id FROM items WHERE state IS NOT NULL AND fetched_at >= {started!r}")}
         return settled | flying, flying
@@ -376,7 +387,8 @@ def _run_and_kill(base: Path, cfg: Path, state: StateReader, mock_log: Path, mod
         t = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(cfg),
                                  "--no-progress"], stdout=so, stderr=se, text=True,
-                                env={**os.environ, **ENV}, cwd=REPO_ROOT)
+                                env={**os.environ, **ENV}, cwd=REPO_ROOT,
+                                start_new_session=True)
     try:
         target = written0 + rng.uniform(0.1, 1.5) * slice_records
         if mode == "startup":
@@ -400,13 +412,21 @@ def _run_and_kill(base: Path, cfg: Path, state: StateReader, mock_log: Path, mod
                     if state.wal_changed_at() != changed:
                         break
         after = time.monotonic() - t
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+        if proc.poll() is None:  # the run's process alone (its SQLite writing process then
+            #                       applies what it had read, and exits), or with it
+            if rng.random() < 0.5:
+                proc.send_signal(signal.SIGKILL)
+            else:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    deadline = time.monotonic() + 30  # the writing process gone: the lock free, the state still
+    while lock_holder(state.path.parent) is not None and time.monotonic() < deadline:
+        time.sleep(0.005)
     return proc, after, mode
 
 

@@ -915,6 +915,7 @@ def test_state_directory_is_owner_only_even_with_umask_000(hostile: Hostile, tmp
     for path in state.glob("state.db*"):  # the database, and its -wal / -shm while they exist
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert stat.S_IMODE((state / "lock").stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "intents.log").stat().st_mode) == 0o600
 
 
 @pytest.mark.parametrize(("header", "message"), [

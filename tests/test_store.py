@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -276,6 +277,52 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
         ("e", '{"e":1}')]
 
 
+def _die(store: Any) -> None:
+    """As if the run's process died: its SQLite writing process sees the pipe end and exits,
+    and the state directory's lock goes with the two."""
+    if getattr(store, "_proc", None) is not None:
+        store._proc.close()
+        store._proc = None
+    os.close(store._lock_fd)
+    store._lock_fd = -1
+
+
+async def test_intents_only_the_log_holds_are_in_doubt_and_applied_at_the_next_open(
+        tmp_path: Path) -> None:
+    """A run's ``sent`` intents are durable once in ``intents.log``; where its writing process
+    ended before applying them (a crash, a storage error), the readers count them in doubt,
+    and the next open applies those beyond the database's 'applied' batch, once."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("a")])
+    store.commit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)])
+    applied = db_rows(state, "SELECT value FROM meta WHERE key = 'applied'")[0][0]
+    _die(store)
+    await store.close()
+    log = state / "intents.log"  # b: applied already (an older batch); c and d: not yet; the
+    log.write_bytes(  # tail torn by the crash, never acked
+        orjson.dumps([int(applied), "b", TS, None]) + b"\n"
+        + orjson.dumps([int(applied) + 1, "c", TS, "k1"]) + b"\n"
+        + orjson.dumps([int(applied) + 2, "d", TS, None]) + b"\n" + b'[99, "e", 1')
+    assert dict(read_store(state).in_doubt()) == {"c": False, "d": False}
+    snap = read_store(state).snapshot()
+    assert (snap.in_doubt, snap.in_flight, snap.sent) == (2, 0, 3)
+
+    store = await open_store(state)  # applied to the crashed run, then closed as in doubt
+    assert log.stat().st_size == 0
+    assert sends_of(state) == {"a": 1, "c": 1, "d": 1}
+    assert dict(read_store(state).in_doubt()) == {"c": False, "d": False}
+    assert db_rows(state, "SELECT key, sent FROM key_ledger") == [("k1", 1)]
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("c")])
+    store.commit([Record("ok", "c", status=200, data=1, paid=1, ts=TS)])
+    await store.close()
+    assert sends_of(state) == {"a": 1, "c": 2, "d": 1}
+    store = await open_store(state)  # nothing applied twice
+    await store.close()
+    assert sends_of(state) == {"a": 1, "c": 2, "d": 1}
+    assert dict(read_store(state).in_doubt()) == {"c": True, "d": False}
+
+
 async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
     state = tmp_path / "state"
     run = Record("run", ts=TS, extra={"job": JOB})
@@ -284,8 +331,7 @@ async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path:
     store.commit([Record("ok", "x", status=200, data=1, paid=1, ts=TS)])
     snap = store.snapshot()  # our own run is going: y and z are in flight, not in doubt
     assert (snap.in_flight, snap.in_doubt) == (2, 0)
-    os.close(store._lock_fd)  # the process dies: its lock goes, nothing more is written
-    store._lock_fd = -1
+    _die(store)  # the process dies: its lock goes, nothing more is written
     snap = read_store(state).snapshot()
     assert (snap.in_flight, snap.in_doubt, snap.sent) == (0, 2, 3)
     assert dict(read_store(state).in_doubt()) == {"y": False, "z": False}
@@ -312,8 +358,7 @@ async def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(tmp_path
     store.commit([Record("failed", "x", status=500, error="HTTP 500", tries=1, ts=TS),
                   Record.sent("x")])  # pass 2's request for x is out now
     assert db_rows(state, "SELECT state, sent_run IS NOT NULL FROM items") == [("failed", 1)]
-    os.close(store._lock_fd)  # the process dies with the request out
-    store._lock_fd = -1
+    _die(store)  # the process dies with the request out
     await store.close()
     assert dict(read_store(state).in_doubt()) == {"x": False}
     assert sends_of(state) == {"x": 2}
@@ -542,9 +587,10 @@ async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) 
 
 async def test_writer_commits_intents_before_results_unless_a_record_is_about_all(
         tmp_path: Path) -> None:
-    """Intents that requests wait for are not held back by the results queued with them; the
-    order stays the queue's for everything but ``ok`` (an ID's last record), and a batch with a
-    record about everything before it (here ``end``) is committed as one."""
+    """Intents that requests wait for are not held back by the results queued with them (held
+    back, or cut apart: the intents alone are durable in the intent log at once); the order of
+    the database stays the queue's for everything but ``ok`` (an ID's last record), and a
+    batch with a record about everything before it (here ``end``) is not reordered."""
     state = tmp_path / "state"
     store = await open_store(state)
     store.commit(RECORDS[:1])  # the run
@@ -558,7 +604,9 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     w.close()
     await w.run()
     assert await intent is Commit.DURABLE
-    assert batches == [[("failed", "b"), ("sent", "b")], [("ok", "a"), ("ok", "c")]]
+    assert sorted(batches) == [[("failed", "b")], [("ok", "a"), ("ok", "c")], [("sent", "b")]]
+    assert db_rows(state, "SELECT state, sent_run IS NOT NULL FROM items WHERE id = 'b'") == [
+        ("failed", 1)]  # the intent applied after the failure it came after
     batches.clear()
     w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
                on_error=print, linger=0)
@@ -568,7 +616,7 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     w.close()
     await w.run()
     assert await intent is Commit.DURABLE
-    assert batches == [[("ok", "d"), ("sent", "e"), ("end", None)]]
+    assert sorted(batches, key=str) == [[("end", None)], [("ok", "d")], [("sent", "e")]]
     await store.close()
     in_doubt = dict(read_store(state).in_doubt())
     assert in_doubt == {"e": False}  # and nothing about "b": its intent came after its failure
