@@ -277,6 +277,23 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
         ("e", '{"e":1}')]
 
 
+async def test_where_no_writing_process_can_start_the_run_writes_in_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An application that embeds asyncrawl where ``sys.executable`` runs no Python: the store
+    says so and writes in the run's own process, as durably."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    state = tmp_path / "state"
+    store = await open_store(state)
+    assert store._proc is None  # type: ignore[attr-defined]
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("a")])
+    done: list[Any] = []
+    store.submit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)], done.append)  # type: ignore[attr-defined]
+    assert done == [None]
+    await store.close()
+    assert "writes the state database in its own process" in caplog.text
+    assert read_store(state).snapshot().counts.ok == 1 and sends_of(state) == {"a": 1}
+
+
 def _die(store: Any) -> None:
     """As if the run's process died: its SQLite writing process sees the pipe end and exits,
     and the state directory's lock goes with the two."""
