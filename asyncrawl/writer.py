@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -68,7 +69,7 @@ class Writer:
         self._thread: threading.Thread | None = None
         self.failed: StorageError | None = None
         # the store takes batches to make durable later (``submit``: SQLite's writing process)
-        self._submits = getattr(store, "submit", None) is not None
+        self._submit: Callable[..., None] | None = getattr(store, "submit", None)
         self.commits = 0
         self.written = 0
 
@@ -162,7 +163,7 @@ class Writer:
                     if time.monotonic() < due:
                         held, later = later, []
                 for part in (now, later):
-                    for piece in (_sent_apart(part) if self._submits else (part,)):
+                    for piece in (_sent_apart(part) if self._submit else (part,)):
                         if piece:
                             self._write(piece)
         finally:
@@ -206,7 +207,7 @@ class Writer:
         if self.failed is not None:
             self._post(self._done, batch, False, None, _NONE)
             return
-        submit = getattr(self.store, "submit", None)
+        submit = self._submit
         try:
             if submit is None:
                 self._post(self._done, batch, True, None,
@@ -233,9 +234,8 @@ class Writer:
 
     def _drain(self) -> None:
         """Wait until what the store took to make durable later is (``submit``)."""
-        drain = getattr(self.store, "drain", None)
-        if drain is not None:
-            drain()
+        if self._submit is not None:
+            self.store.drain()  # type: ignore[attr-defined]
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -294,15 +294,7 @@ def _sent_apart(batch: list[_Entry]) -> list[list[_Entry]]:
     """The batch cut, in order, where it goes from ``sent`` intents to other records and
     back: a store that makes intents alone durable sooner (``SqliteStore.submit``) lets the
     requests go without waiting for the rest. Applied in this order, it is the same."""
-    pieces: list[list[_Entry]] = []
-    sent = None
-    for entry in batch:
-        is_sent = entry[0].kind == "sent"
-        if is_sent is not sent:
-            pieces.append([])
-            sent = is_sent
-        pieces[-1].append(entry)
-    return pieces
+    return [list(run) for _, run in itertools.groupby(batch, key=lambda e: e[0].kind == "sent")]
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:
