@@ -11,10 +11,11 @@ nothing measurable (bench/README.md, 2026-12-03). So:
   answers with that number once it is durable;
 * a batch of ``sent`` intents alone, which a request waits for, is made durable by the crawl
   process itself first: appended to ``intents.log`` and fsynced (``IntentLog``), like the
-  journal of earlier releases; the child applies it later like any batch. Everything else
-  counts only once the child has answered for it;
-* at the next open, intents of the log numbered beyond 'applied' (the child died, or the
-  machine, before applying them) are applied first (``pending_intents``), then the crashed
+  journal of earlier releases; the child applies it later like any batch. So is the run's
+  ``run`` record, which its intents follow (they belong to that run, whether or not the child
+  applied it before a crash). Everything else counts only once the child has answered for it;
+* at the next open, records of the log numbered beyond 'applied' (the child died, or the
+  machine, before applying them) are applied first (``pending_records``), then the crashed
   run's open intents are closed as usual: every request that left is known.
 
 The child inherits the state directory's lock: a rerun cannot start while it still writes. It
@@ -45,6 +46,7 @@ from .records import Record
 INTENTS = "intents.log"
 CUT_AT = 4 << 20  # bytes of intent log after which it is emptied, once all of it is applied
 MERGE = 64  # batches queued in the pipe that the child applies in one transaction, at most
+LOGGED = frozenset({"sent", "run"})  # the kinds of record a batch made durable by the log holds
 _LEN = struct.Struct("<Q")
 Done = Callable[[StorageError | None], None]
 
@@ -85,8 +87,9 @@ def _receive(fd: int) -> Any:
 # -- the intent log (the run's process) ----------------------------------------------------------
 
 class IntentLog:
-    """``intents.log``: one JSON line ``[batch number, id, ts, key]`` per ``sent`` intent,
-    appended and fsynced by the writer's thread before the intents count as durable."""
+    """``intents.log``: one JSON line ``[batch number, id, ts, key]`` per ``sent`` intent, and
+    ``[batch number, record]`` (``Record.encode``'s form) for a ``run`` record, appended and
+    fsynced by the writer's thread before they count as durable."""
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / INTENTS
@@ -99,7 +102,8 @@ class IntentLog:
         self.last = 0  # the number of the last batch appended
 
     def append(self, seq: int, records: Sequence[Record]) -> None:
-        data = b"".join(orjson.dumps([seq, r.id, r.ts, r.key]) + b"\n" for r in records)
+        data = b"".join(orjson.dumps([seq, r.id, r.ts, r.key]) + b"\n" if r.kind == "sent"
+                        else b"[%d," % seq + r.encode()[:-1] + b"]\n" for r in records)
         try:
             os.write(self._fd, data)
             os.fsync(self._fd)
@@ -124,10 +128,10 @@ class IntentLog:
             os.close(self._fd)
 
 
-def pending_intents(state_dir: Path, applied: int) -> Iterator[tuple[int, Record]]:
-    """The intents of ``intents.log`` in batches numbered beyond ``applied``, in order, with
-    their batch's number. A torn last line (the run died while appending it: never acked) ends
-    the log."""
+def pending_records(state_dir: Path, applied: int) -> Iterator[tuple[int, Record]]:
+    """The records of ``intents.log`` (intents, and the ``run`` record before a run's first)
+    in batches numbered beyond ``applied``, in order, with their batch's number. A torn last
+    line (the run died while appending it: never acked) ends the log."""
     try:
         data = (state_dir / INTENTS).read_bytes()
     except FileNotFoundError:
@@ -137,11 +141,13 @@ def pending_intents(state_dir: Path, applied: int) -> Iterator[tuple[int, Record
                            path=state_dir / INTENTS) from None
     for line in data.split(b"\n"):
         try:
-            seq, item, ts, key = orjson.loads(line)
-        except (orjson.JSONDecodeError, ValueError, TypeError):
+            seq, *rest = orjson.loads(line)
+            rec = (Record.decode(rest[0]) if len(rest) == 1
+                   else Record("sent", rest[0], ts=rest[1], key=rest[2]))
+        except (orjson.JSONDecodeError, ValueError, TypeError, IndexError, KeyError):
             return  # (the torn tail, or the empty string after the last newline)
         if seq > applied:
-            yield seq, Record("sent", item, ts=ts, key=key)
+            yield seq, rec
 
 
 # -- the run's side of the pipe ------------------------------------------------------------------

@@ -79,7 +79,7 @@ from .records import (
     state_of,
     utc_day,
 )
-from .sqlproc import CUT_AT, INTENTS, IntentLog, WriterProcess, pending_intents
+from .sqlproc import CUT_AT, INTENTS, LOGGED, IntentLog, WriterProcess, pending_records
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -255,7 +255,6 @@ class SqliteStore:
         self._proc: WriterProcess | None = None  # a run's: the process that writes (sqlproc)
         self._intents: IntentLog | None = None
         self._seq = 0  # the number of the last batch handed to it
-        self._run_seq = 0  # ... and of the last with a ``run`` record (see ``submit``)
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
@@ -370,12 +369,13 @@ class SqliteStore:
         self._proc = proc
 
     def _apply_logged_intents(self) -> None:
-        """The intents of ``intents.log`` that the last run's writing process did not apply
-        (it died first, or the machine did): applied now, to the last run, in one transaction,
-        which also records the highest batch number seen; then the log is emptied."""
+        """The records of ``intents.log`` that the last run's writing process did not apply
+        (it died first, or the machine did): applied now, in one transaction, which also
+        records the highest batch number seen; then the log is emptied. Intents before any
+        ``run`` record of the log belong to the last run the database has."""
         db = self._db
         applied = int(self._meta_json("applied") or 0)
-        logged = list(pending_intents(self.state_dir, applied))
+        logged = list(pending_records(self.state_dir, applied))
         if logged:
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -390,7 +390,7 @@ class SqliteStore:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
-            log.warning("applied %s intents of the last run from %s (its writing process "
+            log.warning("applied %s records of the last run from %s (its writing process "
                         "ended before it had)", f"{len(logged):,}", INTENTS)
             self._run, self._endpoint = None, ""
         self._seq = max(applied, logged[-1][0] if logged else 0)
@@ -521,9 +521,9 @@ class SqliteStore:
                ) -> None:
         """Hand a batch to the writing process (the writer's thread; see ``sqlproc``):
         ``done(None)`` once it is durable, ``done(error)`` if it cannot be. A batch of
-        ``sent`` intents alone is durable once appended to ``intents.log`` (``done`` is called
-        before this returns), once the run's ``run`` record is in the database (the log's
-        intents are the last run's); any other once the process has committed it."""
+        ``sent`` intents (or the ``run`` record) alone is durable once appended to
+        ``intents.log`` (``done`` is called before this returns); any other once the process
+        has committed it."""
         proc, intents = self._proc, self._intents
         if proc is None or intents is None:  # (no writing process: written here)
             try:
@@ -538,7 +538,7 @@ class SqliteStore:
             return
         self._seq += 1
         seq = self._seq
-        if proc.applied >= self._run_seq and all(rec.kind == "sent" for rec in records):
+        if all(rec.kind in LOGGED for rec in records):
             try:
                 if intents.size > CUT_AT and proc.applied >= intents.last:
                     intents.cut()
@@ -549,8 +549,6 @@ class SqliteStore:
             proc.send(seq, records, None)
             done(None)
         else:
-            if any(rec.kind == "run" for rec in records):
-                self._run_seq = seq
             proc.send(seq, records, done)
 
     def drain(self) -> None:
@@ -836,8 +834,9 @@ class SqliteStore:
         next run applies them), that the database does not list as open or in doubt already:
         sent, no outcome kept."""
         applied = int(self._meta_json("applied") or 0)
-        ids = list(dict.fromkeys(str(rec.id) for _, rec in pending_intents(self.state_dir,
-                                                                             applied)))
+        ids = list(dict.fromkeys(str(rec.id) for _, rec in pending_records(self.state_dir,
+                                                                             applied)
+                                 if rec.kind == "sent"))
         if not ids:
             return []
         known = set(orjson.loads(self._db.execute(

@@ -81,7 +81,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO_ROOT))
 
 from asyncrawl.lockfile import lock_holder  # noqa: E402
-from asyncrawl.sqlproc import pending_intents  # noqa: E402
+from asyncrawl.sqlproc import pending_records  # noqa: E402
 from asyncrawl.sqlstore import DB  # noqa: E402
 from asyncrawl.testing import LogEntry, MockProcess, demo_faults, payload_for  # noqa: E402
 from asyncrawl.writer import Writer  # noqa: E402
@@ -164,6 +164,9 @@ class StateReader:
         """Catch up with the runs; return the WAL's size (what the next open recovers from)."""
         self.runs = [(pid, started) for pid, started in self._rows(
             "SELECT pid, started FROM runs ORDER BY run")]
+        # a run whose ``run`` record only the intent log holds (its writing process died first)
+        self.runs += [((rec.extra or {}).get("pid"), rec.ts) for _, rec in self._logged()
+                      if rec.kind == "run"]
         return self.wal.stat().st_size if self.wal.exists() else 0
 
     def written(self) -> int:
@@ -180,9 +183,12 @@ class StateReader:
     def logged_open(self) -> set[str]:
         """IDs whose ``sent`` intent only ``intents.log`` holds (beyond the database's
         'applied' batch: the run's writing process died before applying it), not settled."""
+        return {str(rec.id) for _, rec in self._logged() if rec.kind == "sent"} - self.settled()
+
+    def _logged(self) -> list[tuple[int, Any]]:
+        """The records of ``intents.log`` the database has not applied."""
         applied = self._rows("SELECT value FROM meta WHERE key = 'applied'")
-        logged = pending_intents(self.path.parent, int(applied[0][0]) if applied else 0)
-        return {str(rec.id) for _, rec in logged} - self.settled()
+        return list(pending_records(self.path.parent, int(applied[0][0]) if applied else 0))
 
     def durable_ok(self) -> set[str]:
         return {i for i, in self._rows("SELECT id FROM items WHERE state = 'ok'")}

@@ -20,6 +20,7 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
+from asyncrawl.sqlproc import IntentLog
 from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import Writer
@@ -338,6 +339,35 @@ async def test_intents_only_the_log_holds_are_in_doubt_and_applied_at_the_next_o
     await store.close()
     assert sends_of(state) == {"a": 1, "c": 2, "d": 1}
     assert dict(read_store(state).in_doubt()) == {"c": True, "d": False}
+
+
+async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path: Path) -> None:
+    """The ``run`` record is durable in ``intents.log`` like the intents that follow it (a run's
+    first requests do not wait for the writing process): where that process died before
+    applying it, the next open applies the run first, and its intents belong to it."""
+    state = tmp_path / "state"
+    await committed(state, [RECORDS[0]])
+    store = await open_store(state)
+    done: list[Any] = []
+    store.submit([Record("run", ts=TS, extra={"job": JOB, "pid": 4242})], done.append)  # type: ignore[attr-defined]
+    assert done == [None]  # durable once logged, before the process has applied it
+    _die(store)
+    applied = int(db_rows(state, "SELECT value FROM meta WHERE key = 'applied'")[0][0])
+    await store.close()
+    logged = IntentLog(state)  # as the run's writer appends them, beyond what was applied
+    logged.append(applied + 1, [Record("run", ts=TS + 1, extra={"job": JOB, "pid": 5151})])
+    logged.append(applied + 2, [Record.sent("x", key="k1"), Record.sent("y")])
+    logged.close()
+    assert dict(read_store(state).in_doubt()) == {"x": False, "y": False}
+
+    store = await open_store(state)
+    await store.close()
+    runs = db_rows(state, "SELECT run, pid FROM runs ORDER BY run")
+    assert [pid for _, pid in runs][-2:] == [4242, 5151]
+    assert db_rows(state, "SELECT id, sent_run FROM items WHERE id IN ('x', 'y') ORDER BY id") \
+        == [("x", None), ("y", None)]  # closed: in doubt, from the last run
+    assert dict(read_store(state).in_doubt()) == {"x": False, "y": False}
+    assert db_rows(state, "SELECT key, sent FROM key_ledger") == [("k1", 1)]
 
 
 async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
