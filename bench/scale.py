@@ -64,6 +64,7 @@ class Row:
     db_bytes: int = 0
     per_id_overhead: float = 0.0  # bytes per ID beyond the payload
     write_rate: float = 0.0  # durable records/s
+    writer_rss_mb: float = 0.0  # peak RSS of the store's writing process, after the build
     first_request_s: float = 0.0
     resume_rss_mb: float = 0.0
     rerun_s: float = 0.0
@@ -88,11 +89,11 @@ def payload(item: str, size: int, spread: int = 0) -> bytes:
 
 
 async def build(state: Path, n: int, size: int, settled: int, ids_file: Path,
-                spread: int = 0) -> tuple[float, int, int]:
+                spread: int = 0) -> tuple[float, int, int, float]:
     """The state of a job over ``ids_file`` whose first ``settled`` IDs are ok and the next 64
     in flight (sent, no result) when it crashed, as its crawl would have left it (the file's
     identity, and its frontier after the settled IDs); returns (durable records/s, records,
-    payload bytes)."""
+    payload bytes, the writing process's peak RSS in MB)."""
     store = await open_store(state)
     records = 0
     t0 = time.perf_counter()
@@ -125,8 +126,17 @@ async def build(state: Path, n: int, size: int, settled: int, ids_file: Path,
 
     records = await asyncio.to_thread(write)
     took = time.perf_counter() - t0
+    proc = getattr(store, "_proc", None)  # (sqlproc.WriterProcess, where the store has one)
+    rss = _peak_rss_mb(proc._proc.pid) if proc is not None else 0.0
     await store.close()  # crashed: no "end" record
-    return records / took, records, payload_bytes
+    return records / took, records, payload_bytes, rss
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def run_child(args: list[str], *, until_first_request: Path | None = None,
@@ -172,12 +182,14 @@ def measure(n: int, size: int, work: Path, *, resume_only: bool = False, spread:
     ids_file = work / f"ids-{n}.txt"
     ids_file.write_text("".join(f"{i}\n" for i in ids))
     half = work / f"half-{n}"
-    rate, records, payload_bytes = asyncio.run(build(half, n, size, n // 2, ids_file, spread))
+    rate, records, payload_bytes, row.writer_rss_mb = asyncio.run(
+        build(half, n, size, n // 2, ids_file, spread))
     row.write_rate = rate
     row.db_bytes = sum(p.stat().st_size for p in half.glob(DB + "*"))
     row.per_id_overhead = (row.db_bytes - payload_bytes) / (n // 2)
     print(f"  {n:,} IDs: built {records:,} records at {rate:,.0f} durable records/s; "
-          f"{row.db_bytes / 1e6:,.0f} MB ({row.per_id_overhead:,.0f} B/ID beyond the payload)",
+          f"{row.db_bytes / 1e6:,.0f} MB ({row.per_id_overhead:,.0f} B/ID beyond the payload); "
+          f"writing process peak RSS {row.writer_rss_mb:,.0f} MB",
           flush=True)
 
     with MockProcess(work / f"mock-{n}.log", "--api-key", KEY, "--faults", "none") as mock:
@@ -222,14 +234,16 @@ def measure(n: int, size: int, work: Path, *, resume_only: bool = False, spread:
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| IDs | DB size | B/ID beyond payload | write (durable rec/s) | resume: first request "
+    head = ("| IDs | DB size | B/ID beyond payload | write (durable rec/s) | writer RSS "
+            "| resume: first request "
             "| resume RSS | rerun, nothing left | rerun RSS | status | status RSS | export jsonl "
             "| export jsonl -o FILE | export ids |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         lines.append(
             f"| {r.n:,} | {r.db_bytes / 1e6:,.0f} MB | {r.per_id_overhead:,.0f} | "
-            f"{r.write_rate:,.0f} | {r.first_request_s:.2f} s | {r.resume_rss_mb:,.0f} MB | "
+            f"{r.write_rate:,.0f} | {r.writer_rss_mb:,.0f} MB | {r.first_request_s:.2f} s | "
+            f"{r.resume_rss_mb:,.0f} MB | "
             f"{r.rerun_s:.1f} s | {r.rerun_rss_mb:,.0f} MB | {r.status_s:.2f} s | "
             f"{r.status_rss_mb:,.0f} MB | {r.export_jsonl_rate:,.0f}/s | {r.export_jsonl_file_rate:,.0f}/s | "
             f"{r.export_ids_rate:,.0f}/s |")

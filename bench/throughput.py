@@ -191,14 +191,25 @@ def free_store() -> list[int]:
     Returns the count of ``ok`` records dropped, kept up to date."""
     from asyncrawl.sqlstore import SqliteStore
 
-    commit, dropped = SqliteStore.commit, [0]
+    commit, submit, dropped = SqliteStore.commit, SqliteStore.submit, [0]
+
+    def kept(records: Any) -> list[Any]:
+        dropped[0] += sum(rec.kind == "ok" for rec in records)
+        return [rec for rec in records if rec.kind not in ("sent", "ok")]
 
     def free(self: SqliteStore, records: Any) -> frozenset[str]:
-        kept = [rec for rec in records if rec.kind not in ("sent", "ok")]
-        dropped[0] += sum(rec.kind == "ok" for rec in records)
-        return commit(self, kept) if kept else frozenset()
+        rest = kept(records)
+        return commit(self, rest) if rest else frozenset()
+
+    def free_submit(self: SqliteStore, records: Any, done: Any) -> None:
+        rest = kept(records)  # (the writer's path: ``submit``, where the store has one)
+        if rest:
+            submit(self, rest, done)
+        else:
+            done(None)
 
     SqliteStore.commit = free  # type: ignore[method-assign]
+    SqliteStore.submit = free_submit  # type: ignore[method-assign]
     return dropped
 
 
