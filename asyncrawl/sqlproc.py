@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import marshal
 import os
 import queue
@@ -45,6 +46,7 @@ from .records import Record
 
 INTENTS = "intents.log"
 CUT_AT = 4 << 20  # bytes of intent log after which it is emptied, once all of it is applied
+PIPE_BYTES = 1 << 20  # the pipe to the child's size, where the system allows it (Linux)
 MERGE = 64  # batches queued in the pipe that the child applies in one transaction, at most
 LOGGED = frozenset({"sent", "run"})  # the kinds of record a batch made durable by the log holds
 _LEN = struct.Struct("<Q")
@@ -164,6 +166,9 @@ class WriterProcess:
 
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):  # (Linux; the default is 64 KiB)
+            fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results
+            # fits: the writer's thread does not wait for the child to read it
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "asyncrawl.sqlchild", str(state_dir), str(to_child),

@@ -546,8 +546,8 @@ class SqliteStore:
             except StorageError as e:
                 done(e)
                 return
+            done(None)  # (durable now: the requests go while the process is handed a copy)
             proc.send(seq, records, None)
-            done(None)
         else:
             proc.send(seq, records, done)
 

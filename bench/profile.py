@@ -39,7 +39,9 @@ STAGES = {  # inclusive time of the pipeline's own functions, by the name py-spy
     "worker: Worker.run (the loop around an attempt)": "run (asyncrawl/worker.py",
     "governor: Governor (ready, acquire, on_response)": "(asyncrawl/governor.py",
     "writer: Writer (event-loop side)": "asyncrawl/writer.py",
-    "store: SQLite commit (writer thread)": "asyncrawl/sqlstore.py",
+    "store: the writer thread's intent log (append, fsync)": "append (asyncrawl/sqlproc.py",
+    "store: the writer thread's pipe to the writing process": "send (asyncrawl/sqlproc.py",
+    "store: SQLite, in the writing process (sqlchild)": "asyncrawl/sqlstore.py",
     "aiohttp: ClientSession._request": "_request (aiohttp/client.py",
     "aiohttp: response parsing (data_received)": "data_received (aiohttp/client_proto.py",
     "asyncio: event loop internals (_run_once)": "_run_once (asyncio/base_events.py",
@@ -53,6 +55,7 @@ def record(args: argparse.Namespace, base: str, fmt: str, out: Path, work: Path)
         env["ASYNCRAWL_LOOP"] = args.loop
     cmd = [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record",
            "--rate", "200", "--format", fmt, "--output", str(out), "--threads",
+           "--subprocesses",  # (the SQLite store's writing process, ``sqlchild``)
            *(["--idle"] if args.idle else []), "--",
            sys.executable, str(BENCH / "throughput.py"), "--worker", args.kind, "--url", base,
            "--requests", str(args.requests), "--concurrency", str(args.concurrency),
@@ -96,9 +99,9 @@ def report(raw: Path, requests: int) -> str:
     lines += ["", "pipeline stages, inclusive (share of the event loop thread's samples; the "
               "store's share is of all samples):"]
     for name, needle in STAGES.items():
-        pool = stacks if "thread" in name else loop
+        pool = stacks if name.startswith("store") else loop
         n = sum(c for s, c in pool.items() if needle in s)
-        base = total if "thread" in name else loop_total
+        base = total if name.startswith("store") else loop_total
         lines.append(f"  {n / max(base, 1):6.1%}  {name}")
     return "\n".join(lines)
 
