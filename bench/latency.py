@@ -13,7 +13,9 @@ The ideal is ``concurrency / latency`` requests per second (1,000 at 100 ms and 
 each figure is given as a share of it. The timed section is the crawl (for ``cli``: the whole
 ``asyncrawl.cli.main`` call, imports excluded as they are for the baseline: the package is
 byte-compiled first and what ``run`` imports is imported before the clock starts), alternating
-kinds for ``--rounds`` rounds; the median is quoted.
+kinds for ``--rounds`` rounds; the median is quoted. Beside it, the rate between the first
+request the mock saw and its last answer (from the mock's log): the crawl's pace without its
+start and end.
 
 Usage::
 
@@ -97,7 +99,7 @@ def main() -> int:
         return 0
     from throughput import compile_package
 
-    from asyncrawl.testing import MockProcess
+    from asyncrawl.testing import MockProcess, read_log
 
     compile_package()
     kinds = ["baseline", "cli"]
@@ -110,6 +112,7 @@ def main() -> int:
               file=sys.stderr)
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
+    body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer
     with tempfile.TemporaryDirectory(prefix="latency-") as tmp, \
             MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
                         str(args.latency)) as api:
@@ -129,14 +132,20 @@ def main() -> int:
                     raise SystemExit(f"{kind} failed:\n{out.stdout}\n{out.stderr}")
                 rps = json.loads(out.stdout.strip().splitlines()[-1])["rps"]
                 got[kind].append(rps)
-                print(f"  round {rnd} {kind:<11} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal",
+                log = read_log(Path(tmp) / "mock.log")
+                span = (max(e.t for e in log if e.event == "end")
+                        - min(e.t for e in log if e.event == "start"))
+                body[kind].append(args.ids / span)
+                print(f"  round {rnd} {kind:<11} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal; "
+                      f"first request to last answer {args.ids / span:7.0f} req/s",
                       file=sys.stderr)
                 (Path(tmp) / "mock.log").write_text("")  # the log is not what is measured
     print(f"{args.ids} IDs, latency {args.latency * 1000:g} ms, concurrency {args.concurrency}: "
           f"ideal {ideal:,.0f} req/s")
     for kind in kinds:
         med = statistics.median(got[kind])
-        print(f"median {kind:<11} {med:7.0f} req/s   {med / ideal:.1%} of ideal")
+        print(f"median {kind:<11} {med:7.0f} req/s   {med / ideal:.1%} of ideal; first request "
+              f"to last answer {statistics.median(body[kind]):7.0f} req/s")
     return 0
 
 
