@@ -83,6 +83,7 @@ from .sqlproc import CUT_AT, INTENTS, LOGGED, IntentLog, WriterProcess, pending_
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
+HELD = 4096  # logged records held back at most before they are piped on their own
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -255,6 +256,8 @@ class SqliteStore:
         self._proc: WriterProcess | None = None  # a run's: the process that writes (sqlproc)
         self._intents: IntentLog | None = None
         self._seq = 0  # the number of the last batch handed to it
+        # logged records not piped to it yet: they go with the next batch (see ``submit``)
+        self._held: list[Record] = []
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
@@ -546,14 +549,25 @@ class SqliteStore:
             except StorageError as e:
                 done(e)
                 return
-            done(None)  # (durable now: the requests go while the process is handed a copy)
-            proc.send(seq, records, None)
+            done(None)  # (durable now: the requests go)
+            self._held += records  # (the process gets them with the next batch: one pipe
+            if len(self._held) >= HELD:  # write, and one GIL round trip, for both)
+                self._send_held()
         else:
-            proc.send(seq, records, done)
+            held, self._held = self._held, []
+            proc.send(seq, [*held, *records] if held else records, done)
+
+    def _send_held(self) -> None:
+        """Pipe the logged records held back to the writing process (numbered as the last
+        batch logged: the process applies them in one transaction)."""
+        if self._held and self._proc is not None:
+            held, self._held = self._held, []
+            self._proc.send(self._seq, held, None)
 
     def drain(self) -> None:
         """Wait until every batch handed over is durable (or failed)."""
         if self._proc is not None:
+            self._send_held()
             self._proc.drain()
 
     def apply_batch(self, records: Sequence[Record], seq: int | None = None) -> None:
@@ -847,6 +861,7 @@ class SqliteStore:
 
     async def close(self) -> None:
         def close() -> None:
+            self._send_held()
             proc, intents = self._proc, self._intents
             self._proc = self._intents = None
             if proc is not None:  # (it applies what it holds, then exits)

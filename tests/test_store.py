@@ -370,6 +370,31 @@ async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path:
     assert db_rows(state, "SELECT key, sent FROM key_ledger") == [("k1", 1)]
 
 
+async def test_logged_intents_reach_the_database_with_the_next_batch_or_at_drain(
+        tmp_path: Path) -> None:
+    """Intents durable in the log are piped to the writing process with the batch after them
+    (one write for both), or on their own when the writer drains, and the store closes with
+    none left behind."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    done: list[Any] = []
+    submit = store.submit  # type: ignore[attr-defined]
+    submit([Record("run", ts=TS, extra={"job": JOB})], done.append)
+    submit([Record.sent("a"), Record.sent("b")], done.append)
+    submit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)], done.append)
+    store.drain()  # type: ignore[attr-defined]
+    assert done == [None, None, None]
+    assert sends_of(state) == {"a": 1, "b": 1}
+    assert outcomes_of(state) == {"a": "ok"}
+    submit([Record.sent("c")], done.append)  # nothing after it: piped at drain
+    store.drain()  # type: ignore[attr-defined]
+    assert sends_of(state) == {"a": 1, "b": 1, "c": 1}
+    submit([Record.sent("d")], done.append)  # nor a drain: at close
+    await store.close()
+    assert sends_of(state) == {"a": 1, "b": 1, "c": 1, "d": 1}
+    assert (state / "intents.log").stat().st_size == 0  # all applied: the log cut
+
+
 async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
     state = tmp_path / "state"
     run = Record("run", ts=TS, extra={"job": JOB})
