@@ -39,7 +39,7 @@ STAGES = {  # inclusive time of the pipeline's own functions, by the name py-spy
     "worker: Worker.run (the loop around an attempt)": "run (asyncrawl/worker.py",
     "governor: Governor (ready, acquire, on_response)": "(asyncrawl/governor.py",
     "writer: Writer (event-loop side)": "asyncrawl/writer.py",
-    "store: the writer thread's intent log (append, fsync)": "append (asyncrawl/sqlproc.py",
+    "store: the writer thread's intent log (append, O_DSYNC write)": "append (asyncrawl/sqlproc.py",
     "store: the writer thread's pipe to the writing process": "send (asyncrawl/sqlproc.py",
     "store: the writing process (sqlchild), all of it": "asyncrawl.sqlchild",
     "store: the run's dedup in SQLite (admit, off the loop)": "_admit (asyncrawl/sqlstore.py",
