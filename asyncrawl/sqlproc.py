@@ -60,31 +60,38 @@ def wire(rec: Record) -> tuple[Any, ...]:
     return tuple(rec) if rec.raw is None else (*rec[:5], None, *rec[6:])
 
 
-def _send(fd: int, obj: object) -> None:
-    data = marshal.dumps(obj)
-    view = memoryview(_LEN.pack(len(data)) + data)
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    parts = []
-    while n:
-        chunk = os.read(fd, min(n, 1 << 20))
+def _send(fd: int, obj: object) -> None:
+    data = marshal.dumps(obj)
+    _write_all(fd, _LEN.pack(len(data)) + data)
+
+
+def _frames(fd: int) -> Iterator[Any]:
+    """The frames read from ``fd`` as they come, then ``None`` at the pipe's end: every frame
+    that one read brings, without a read (and the GIL taken back after it) for each."""
+    buf = b""
+    while True:
+        try:
+            chunk = os.read(fd, PIPE_BYTES)
+        except OSError:
+            chunk = b""
         if not chunk:
-            return None
-        parts.append(chunk)
-        n -= len(chunk)
-    return b"".join(parts)
-
-
-def _receive(fd: int) -> Any:
-    """The next frame, or ``None`` at the pipe's end."""
-    head = _read_exactly(fd, _LEN.size)
-    if head is None:
-        return None
-    body = _read_exactly(fd, _LEN.unpack(head)[0])
-    return None if body is None else marshal.loads(body)
+            yield None
+            return
+        buf += chunk
+        at = 0
+        while len(buf) - at >= _LEN.size:
+            end = at + _LEN.size + _LEN.unpack_from(buf, at)[0]
+            if end > len(buf):
+                break
+            yield marshal.loads(buf[at + _LEN.size:end])
+            at = end
+        buf = buf[at:]
 
 
 # -- the intent log (the run's process) ----------------------------------------------------------
@@ -112,9 +119,7 @@ class IntentLog:
         data = b"".join(orjson.dumps([seq, r.id, r.ts, r.key]) + b"\n" if r.kind == "sent"
                         else b"[%d," % seq + r.encode()[:-1] + b"]\n" for r in records)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
+            _write_all(self._fd, data)
         except OSError as e:
             raise StorageError(f"cannot write the intent log: {e.strerror}",
                                path=self.path) from None
@@ -221,30 +226,8 @@ class WriterProcess:
         with contextlib.suppress(OSError):
             os.close(self._in)
 
-    def _answers(self) -> Iterator[Any]:
-        """The child's answers as they come (``None`` at the pipe's end): every answer that
-        one read brings, without a read (and the GIL taken back after it) for each."""
-        buf = b""
-        while True:
-            try:
-                chunk = os.read(self._in, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                yield None
-                return
-            buf += chunk
-            at = 0
-            while len(buf) - at >= _LEN.size:
-                end = at + _LEN.size + _LEN.unpack_from(buf, at)[0]
-                if end > len(buf):
-                    break
-                yield marshal.loads(buf[at + _LEN.size:end])
-                at = end
-            buf = buf[at:]
-
     def _read_answers(self) -> None:
-        for answer in self._answers():
+        for answer in _frames(self._in):
             if answer is None and self._closing and not self._pending:
                 return  # (it has answered for everything, and ended as asked)
             if answer is None:
@@ -284,9 +267,8 @@ def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int) -> int
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def read() -> None:
-        while (frame := _receive(rfd)) is not None:
+        for frame in _frames(rfd):
             inbox.put(frame)
-        inbox.put(None)
 
     reader = threading.Thread(target=read, name="asyncrawl-sqlproc-reader", daemon=True)
     reader.start()

@@ -366,6 +366,8 @@ class SqliteStore:
             return
         try:
             self._intents = IntentLog(self.state_dir)
+            if self._intents.size:  # (applied at open: ``_apply_logged_intents``)
+                self._intents.cut()
         except BaseException:
             proc.close()
             raise
@@ -374,8 +376,9 @@ class SqliteStore:
     def _apply_logged_intents(self) -> None:
         """The records of ``intents.log`` that the last run's writing process did not apply
         (it died first, or the machine did): applied now, in one transaction, which also
-        records the highest batch number seen; then the log is emptied. Intents before any
-        ``run`` record of the log belong to the last run the database has."""
+        records the highest batch number seen (the log is emptied when this run opens it).
+        Intents before any ``run`` record of the log belong to the last run the database
+        has."""
         db = self._db
         applied = int(self._meta_json("applied") or 0)
         logged = list(pending_records(self.state_dir, applied))
@@ -397,11 +400,6 @@ class SqliteStore:
                         "ended before it had)", f"{len(logged):,}", INTENTS)
             self._run, self._endpoint = None, ""
         self._seq = max(applied, logged[-1][0] if logged else 0)
-        path = self.state_dir / INTENTS
-        if path.exists() and path.stat().st_size:
-            with open(path, "r+b") as f:
-                f.truncate(0)
-                os.fsync(f.fileno())
 
     def _close_crashed_run(self) -> None:
         """If the last run ended without its ``end`` record, what it had sent without an outcome
