@@ -49,7 +49,7 @@ from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
 from .worker import Ledger, Stop, Worker, billed_record, budget_halt, outcome_record
-from .writer import Writer
+from .writer import AnyWriter, ProcessWriter, Writer
 
 log = logging.getLogger("asyncrawl")
 
@@ -165,7 +165,10 @@ class Run:
         if isinstance(source, IdsFile) and shared is None:
             ident = await asyncio.to_thread(file_identity, source.path)
             ident["lines"] = source.lines if source.lines is not None else self.meter.total
-        writer = Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
+        proc = getattr(store, "process", None)  # (SQLite's writing process)
+        writer = (Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
+                  if proc is None else
+                  ProcessWriter(proc, on_commit=self._on_commit, on_error=self._on_storage_error))
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(
@@ -217,7 +220,7 @@ class Run:
         return summary
 
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
-                      writer: Writer,
+                      writer: AnyWriter,
                       second: Callable[[], AsyncIterator[Chunk]] | None = None,
                       second_left: Callable[[], Awaitable[bool]] | None = None,
                       shared: PgStore | None = None,
@@ -248,7 +251,7 @@ class Run:
             failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
 
     async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
-                           writer: Writer, second: Callable[[], AsyncIterator[Chunk]] | None,
+                           writer: AnyWriter, second: Callable[[], AsyncIterator[Chunk]] | None,
                            second_left: Callable[[], Awaitable[bool]] | None) -> bool:
         """After the cool-down, pass 2 over what failed (see ``_passes``), if anything did;
         whether the run goes on (it was not stopped)."""
@@ -270,7 +273,7 @@ class Run:
         await self._pass(2, ids, fetcher, budget, writer)
         return not self.stop.is_set()
 
-    async def _close(self, writer: Writer, writer_task: asyncio.Task[None],
+    async def _close(self, writer: AnyWriter, writer_task: asyncio.Task[None],
                      ticker: asyncio.Task[None], error: BaseException | None) -> None:
         """The run's last records (why it halted, what was cut off), then the writer and the
         ticker stop."""
@@ -342,7 +345,7 @@ class Run:
         known = f" ({given - added:,} in blocks the job had already)" if added < given else ""
         log.info("merged %s IDs into the job%s", f"{given:,}", known)
 
-    async def _claimed(self, job: _Shared, pass_no: int, writer: Writer) -> AsyncIterator[Chunk]:
+    async def _claimed(self, job: _Shared, pass_no: int, writer: AnyWriter) -> AsyncIterator[Chunk]:
         """A shared job's IDs for the pass, leased from the job: pass 1 what has no outcome
         (or failed in an earlier generation of the job), pass 2 what failed in pass 1 (a
         permanent failure, unless it is to be checked again, settled unavailable at once)."""
@@ -384,7 +387,7 @@ class Run:
         return todo, len(fresh)
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
-                               writer: Writer) -> AsyncIterator[Chunk]:
+                               writer: AnyWriter) -> AsyncIterator[Chunk]:
         """Pass 1's failures, minus those not to try again: settled unavailable at once."""
         cfg = self.config
         chunk: list[str] = []
@@ -403,7 +406,7 @@ class Run:
             yield chunk, -1, None
 
     async def _pass(self, pass_no: int, ids: AsyncIterator[Chunk], fetcher: Fetcher,
-                    budget: Budget, writer: Writer) -> Ledger:
+                    budget: Budget, writer: AnyWriter) -> Ledger:
         cfg, gov = self.config, self.governor
         assert gov is not None  # made by _passes, before the first pass
         self.pass_no = pass_no

@@ -13,7 +13,7 @@ from .sqlstore import DB, SqliteStore, _connect
 def main(argv: list[str]) -> int:
     state_dir = Path(argv[0])
     store = SqliteStore(state_dir, _connect(state_dir / DB))
-    return serve(store.apply_batch, int(argv[1]), int(argv[2]))
+    return serve(store.apply_batch, int(argv[1]), int(argv[2]), state_dir)
 
 
 if __name__ == "__main__":

@@ -3,55 +3,62 @@
 A run's ``SqliteStore`` does not write ``state.db`` in the crawl's own process: SQLite's work
 there (its B-tree updates, WAL frames and fsyncs, beside the event loop) cost a crawl at the
 stack's limit a quarter of its throughput, where the same work in another process costs it
-nothing measurable (bench/README.md, 2026-12-03). So:
+nothing measurable (bench/README.md, 2026-12-03). Nor does the crawl's process keep a thread
+for it: each thread that takes the GIL back after a system call makes the event loop wait for
+it (bench/README.md, 2026-12-04). So:
 
-* a child process (``python -m asyncrawl.sqlchild``, ``serve``) owns the writes: it reads batches
-  from a pipe, applies whatever has queued in one transaction (group commit) in the order sent,
-  records the last batch's number in ``meta`` ('applied') in that same transaction, and
-  answers with that number once it is durable;
-* a batch of ``sent`` intents alone, which a request waits for, is made durable by the crawl
-  process itself first: appended to ``intents.log`` with a synchronous write (``IntentLog``),
-  like the journal of earlier releases; the child gets it with the next batch (one write to
-  the pipe for both) and applies it like any batch. So is the run's
-  ``run`` record, which its intents follow (they belong to that run, whether or not the child
-  applied it before a crash). Everything else counts only once the child has answered for it;
+* the event loop writes each batch down a pipe (``WriterProcess.send``, non-blocking; what the
+  pipe cannot take yet waits for it to drain) and reads the answers when the pipe has some
+  (``loop.add_reader``): two system calls a batch, and no other thread;
+* a child process (``python -m asyncrawl.sqlchild``, ``serve``) reads the batches as they come.
+  The ``sent`` intents they hold, which a request waits for, and the run's ``run`` record,
+  which its intents follow, it appends at once to ``intents.log`` with one synchronous write
+  for all that one read brought (``IntentLog``), and answers ``logged``; then it applies the
+  batches that have queued (up to ``MERGE``) in one transaction (group commit), in the order
+  sent, records the last one's number in ``meta`` ('applied') in that same transaction, and
+  answers ``applied`` with that number once it is durable. Everything but the logged records
+  counts only then;
 * at the next open, records of the log numbered beyond 'applied' (the child died, or the
   machine, before applying them) are applied first (``pending_records``), then the crashed
   run's open intents are closed as usual: every request that left is known.
 
 The child inherits the state directory's lock: a rerun cannot start while it still writes. It
 ends when the pipe does (the run closed it, or died) after answering for what it read; it
-ignores SIGINT and SIGTERM, which are the run's to handle. ``WriterProcess`` is the run's side.
+ignores SIGINT and SIGTERM, which are the run's to handle.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import marshal
 import os
 import queue
+import select
 import signal
 import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .errors import StorageError
 from .records import Record
 
+if TYPE_CHECKING:  # (``status`` and ``export`` import this module, not asyncio)
+    import asyncio
+
 INTENTS = "intents.log"
 CUT_AT = 4 << 20  # bytes of intent log after which it is emptied, once all of it is applied
-PIPE_BYTES = 1 << 20  # the pipe to the child's size, where the system allows it (Linux)
+PIPE_BYTES = 1 << 20  # the pipes' size, where the system allows it (Linux)
 MERGE = 64  # batches queued in the pipe that the child applies in one transaction, at most
-LOGGED = frozenset({"sent", "run"})  # the kinds of record a batch made durable by the log holds
+LOGGED = frozenset({"sent", "run"})  # the kinds of record durable once in the intent log
+LOG, APPLY = "logged", "applied"  # the child's two answers: (what, number, error)
 _LEN = struct.Struct("<Q")
-Done = Callable[[StorageError | None], None]
+Answer = tuple[str, int, "str | None"]
 
 
 def wire(rec: Record) -> tuple[Any, ...]:
@@ -60,53 +67,66 @@ def wire(rec: Record) -> tuple[Any, ...]:
     return tuple(rec) if rec.raw is None else (*rec[:5], None, *rec[6:])
 
 
+def frame(obj: object) -> bytes:
+    """``obj`` as one frame of the pipe: its length, then its ``marshal`` form."""
+    data = marshal.dumps(obj)
+    return _LEN.pack(len(data)) + data
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _send(fd: int, obj: object) -> None:
-    data = marshal.dumps(obj)
-    _write_all(fd, _LEN.pack(len(data)) + data)
+class Frames:
+    """Cuts what is read from a pipe into its frames: ``feed(chunk)`` returns every frame it
+    completes."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[Any]:
+        buf = self._buf + chunk if self._buf else chunk
+        out = []
+        at = 0
+        while len(buf) - at >= _LEN.size:
+            end = at + _LEN.size + _LEN.unpack_from(buf, at)[0]
+            if end > len(buf):
+                break
+            out.append(marshal.loads(buf[at + _LEN.size:end]))
+            at = end
+        self._buf = buf[at:]
+        return out
 
 
-def _frames(fd: int) -> Iterator[Any]:
-    """The frames read from ``fd`` as they come, then ``None`` at the pipe's end: every frame
-    that one read brings, without a read (and the GIL taken back after it) for each."""
-    buf = b""
+def _reads(fd: int) -> Iterator[list[Any]]:
+    """The frames of each read of ``fd`` (blocking), until the pipe ends."""
+    frames = Frames()
     while True:
         try:
             chunk = os.read(fd, PIPE_BYTES)
         except OSError:
             chunk = b""
         if not chunk:
-            yield None
             return
-        buf += chunk
-        at = 0
-        while len(buf) - at >= _LEN.size:
-            end = at + _LEN.size + _LEN.unpack_from(buf, at)[0]
-            if end > len(buf):
-                break
-            yield marshal.loads(buf[at + _LEN.size:end])
-            at = end
-        buf = buf[at:]
+        got = frames.feed(chunk)
+        if got:
+            yield got
 
 
-# -- the intent log (the run's process) ----------------------------------------------------------
+# -- the intent log (the writing process) --------------------------------------------------------
 
 class IntentLog:
     """``intents.log``: one JSON line ``[batch number, id, ts, key]`` per ``sent`` intent, and
-    ``[batch number, record]`` (``Record.encode``'s form) for a ``run`` record, appended by the
-    writer's thread (``O_DSYNC``: on disk when the write returns) before they count as
-    durable."""
+    ``[batch number, record]`` (``Record.encode``'s form) for a ``run`` record, appended
+    (``O_DSYNC``: on disk when the write returns) before they count as durable."""
 
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / INTENTS
         try:
             # O_DSYNC: a write returns once its bytes (and the file's new size) are on disk:
-            # one system call a batch where a write and an fsync took two
+            # one system call where a write and an fsync took two
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_DSYNC,
                                0o600)
         except OSError as e:
@@ -115,16 +135,18 @@ class IntentLog:
         self.size = os.fstat(self._fd).st_size
         self.last = 0  # the number of the last batch appended
 
-    def append(self, seq: int, records: Sequence[Record]) -> None:
+    def append(self, batches: Sequence[tuple[int, Sequence[Record]]]) -> None:
+        """Append the records of ``batches`` (number, records), in one write."""
         data = b"".join(orjson.dumps([seq, r.id, r.ts, r.key]) + b"\n" if r.kind == "sent"
-                        else b"[%d," % seq + r.encode()[:-1] + b"]\n" for r in records)
+                        else b"[%d," % seq + r.encode()[:-1] + b"]\n"
+                        for seq, records in batches for r in records)
         try:
             _write_all(self._fd, data)
         except OSError as e:
             raise StorageError(f"cannot write the intent log: {e.strerror}",
                                path=self.path) from None
         self.size += len(data)
-        self.last = seq
+        self.last = batches[-1][0]
 
     def cut(self) -> None:
         """Empty the log (everything in it is applied to the database)."""
@@ -163,23 +185,23 @@ def pending_records(state_dir: Path, applied: int) -> Iterator[tuple[int, Record
             yield seq, rec
 
 
-# -- the run's side of the pipe ------------------------------------------------------------------
+# -- the run's side of the pipe (the event loop's thread) ----------------------------------------
 
 class WriterProcess:
-    """The child that writes ``state.db``, and the thread that reads its answers.
+    """The child that writes ``state.db``, seen from the run's event loop: ``send`` numbers a
+    batch and writes it down the pipe, ``attach`` has the loop hand each answer to a callback
+    (``None`` once the child is gone)."""
 
-    ``send`` is called by one thread (the writer's); ``done(None)`` is called (by the reader
-    thread) once the batch is durable, ``done(error)`` if it cannot be, in the order sent."""
+    logged = LOGGED
 
-    def __init__(self, state_dir: Path, lock_fd: int) -> None:
+    def __init__(self, state_dir: Path, lock_fd: int, seq: int) -> None:
         self.path = state_dir
         import subprocess  # (here: ``status`` and ``export`` import this module, not it)
 
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # (Linux; the default is 64 KiB)
-            fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results
-            # fits: the writer's thread does not wait for the child to read it
+            fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results fits
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "asyncrawl.sqlchild", str(state_dir), str(to_child),
@@ -192,112 +214,201 @@ class WriterProcess:
                                path=state_dir) from None
         os.close(to_child)
         os.close(from_child)
-        self._pending: collections.deque[tuple[int, Done | None]] = collections.deque()
-        self._idle = threading.Condition()
-        self.applied = 0  # the number of the last batch the child has made durable
-        self.failed: StorageError | None = None
-        self._closing = False
-        self._reader = threading.Thread(target=self._read_answers, name="asyncrawl-writer-acks",
-                                        daemon=True)
-        self._reader.start()
+        os.set_blocking(self._out, False)
+        os.set_blocking(self._in, False)
+        self.seq = seq  # the number of the last batch sent
+        self._unsent = bytearray()  # what the pipe could not take yet
+        self._frames = Frames()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_answer: Callable[[Answer | None], None] | None = None
 
-    def send(self, seq: int, records: Sequence[Record], done: Done | None) -> None:
-        if self.failed is not None:
-            if done is not None:
-                done(self.failed)
+    def __repr__(self) -> str:
+        return f"<WriterProcess pid={self._proc.pid} seq={self.seq}>"
+
+    def attach(self, loop: asyncio.AbstractEventLoop,
+               on_answer: Callable[[Answer | None], None]) -> None:
+        """Hand the child's answers to ``on_answer`` (on ``loop``), and ``None`` at its end."""
+        self._loop, self._on_answer = loop, on_answer
+        loop.add_reader(self._in, self._readable)
+
+    def detach(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._in)
+            self._loop.remove_writer(self._out)
+            self._loop = None
+
+    def send(self, records: Sequence[Record]) -> int:
+        """Write a batch down the pipe (what it cannot take now goes once it can); its
+        number."""
+        self.seq += 1
+        data = frame((self.seq, [wire(r) for r in records]))
+        if self._unsent:
+            self._unsent += data
+        else:
+            try:
+                n = os.write(self._out, data)
+            except BlockingIOError:
+                n = 0
+            except OSError:  # the child is gone: its answers' end says so
+                return self.seq
+            if n < len(data):
+                self._unsent += data[n:]
+                if self._loop is not None:  # (else ``commit`` waits for the pipe itself)
+                    self._loop.add_writer(self._out, self._writable)
+        return self.seq
+
+    def _writable(self) -> None:
+        try:
+            n = os.write(self._out, self._unsent)
+        except BlockingIOError:
             return
-        with self._idle:
-            self._pending.append((seq, done))
-        with contextlib.suppress(OSError):  # (the child is gone: its reader thread says so)
-            _send(self._out, (seq, [wire(r) for r in records]))
+        except OSError:
+            n = len(self._unsent)  # the child is gone: its answers' end says so
+        del self._unsent[:n]
+        if not self._unsent and self._loop is not None:
+            self._loop.remove_writer(self._out)
 
-    def drain(self) -> None:
-        """Wait until the child has answered for everything sent (or failed)."""
-        with self._idle:
-            self._idle.wait_for(lambda: not self._pending)
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self._in, PIPE_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        assert self._on_answer is not None
+        if not chunk:
+            self.detach()
+            self._on_answer(None)
+            return
+        for answer in self._frames.feed(chunk):
+            self._on_answer(answer)
+
+    def commit(self, records: Sequence[Record]) -> None:
+        """Send a batch and wait until it is applied (blocks: not while ``attach``ed; for a
+        store used without ``writer.ProcessWriter``). ``StorageError`` if it cannot be."""
+        seq = self.send(records)
+        while self._unsent:
+            select.select([], [self._out], [])
+            self._writable()
+        while True:
+            select.select([self._in], [], [])
+            try:
+                chunk = os.read(self._in, PIPE_BYTES)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                raise self.gone()
+            for what, n, error in self._frames.feed(chunk):
+                if error is not None:
+                    raise StorageError(error)
+                if what == APPLY and n >= seq:
+                    return
+
+    def gone(self) -> StorageError:
+        """The error of a child that ended before answering for everything."""
+        code = self._proc.poll()
+        how = f" (exit {code})" if code is not None else ""
+        return StorageError(f"the state writer process ended unexpectedly{how}", path=self.path)
 
     def close(self) -> None:
-        """End the pipe, and wait for the child to apply what it holds and exit."""
-        self._closing = True
+        """End the pipe, and wait for the child to apply what it holds and exit (blocks: not
+        on the event loop)."""
+        self.detach()
         with contextlib.suppress(OSError):
             os.close(self._out)
         self._proc.wait()
-        self._reader.join()
         with contextlib.suppress(OSError):
             os.close(self._in)
-
-    def _read_answers(self) -> None:
-        for answer in _frames(self._in):
-            if answer is None and self._closing and not self._pending:
-                return  # (it has answered for everything, and ended as asked)
-            if answer is None:
-                error = StorageError("the state writer process ended unexpectedly "
-                                     f"(exit {self._proc.wait()})", path=self.path)
-            else:
-                seq, message = answer
-                error = StorageError(message) if message else None  # (it names the path)
-            with self._idle:
-                if answer is not None:
-                    self.applied = max(self.applied, seq)
-                ready = []
-                while self._pending and (answer is None or error is not None
-                                         or self._pending[0][0] <= seq):
-                    ready.append(self._pending.popleft()[1])
-                if error is not None and self.failed is None:
-                    self.failed = error
-            for done in ready:
-                if done is not None:
-                    done(error)
-            with self._idle:
-                self._idle.notify_all()
-            if answer is None:
-                return
 
 
 # -- the child -----------------------------------------------------------------------------------
 
-def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int) -> int:
-    """The child's loop: apply (``apply(records, number of the last batch)``, one transaction)
-    the batches read from ``rfd``, as many as have queued (up to ``MERGE``) at once, and
-    answer on ``wfd`` with the number of the last one, and the error once one failed (nothing
-    is applied after it). A thread reads the pipe all the while, so that the run's writer never
-    waits for a transaction to hand over the next batch. Returns at the pipe's end."""
+def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int,
+          state_dir: Path) -> int:
+    """The child's loop. A thread reads the batches as they come, appends the logged records
+    of all that one read brought to the intent log in one write and answers ``(LOG, number of
+    the last of them, error)``, then queues the batches. This thread applies what has queued
+    (up to ``MERGE`` batches: ``apply(records, number of the last batch)``, one transaction)
+    and answers ``(APPLY, that number, error)``; once one failed, nothing is applied or logged
+    after it, and every answer carries its error. The log is emptied whenever it has grown
+    past ``CUT_AT`` and everything in it is applied, and at the end. Returns at the pipe's
+    end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    intents = IntentLog(state_dir)
+    closing = False
+    inbox: queue.SimpleQueue[list[tuple[int, list[Record]]] | None] = queue.SimpleQueue()
+    answering = threading.Lock()
+    state = threading.Condition()
+    applied = 0
+    failed: list[str] = []  # the first error
+
+    def answer(what: str, seq: int) -> bool:
+        try:
+            with answering:
+                _write_all(wfd, frame((what, seq, failed[0] if failed else None)))
+            return True
+        except OSError:  # the run is gone: nobody to answer
+            return False
 
     def read() -> None:
-        for frame in _frames(rfd):
-            inbox.put(frame)
+        try:
+            for got in _reads(rfd):
+                batches = [(seq, [tuple.__new__(Record, r) for r in batch]) for seq, batch in got]
+                logged = [(seq, kept) for seq, batch in batches
+                          if (kept := [r for r in batch if r.kind in LOGGED])]
+                if logged:
+                    with state:
+                        if intents.size > CUT_AT:  # emptied once what it holds is applied
+                            state.wait_for(lambda: applied >= intents.last or bool(failed)
+                                           or closing)
+                        try:
+                            if not failed:
+                                if intents.size > CUT_AT and applied >= intents.last:
+                                    intents.cut()
+                                intents.append(logged)
+                        except StorageError as e:
+                            failed.append(str(e))
+                    answer(LOG, logged[-1][0])
+                inbox.put(batches)
+        finally:
+            inbox.put(None)
 
     reader = threading.Thread(target=read, name="asyncrawl-sqlproc-reader", daemon=True)
     reader.start()
-    failed = ""
     ended = False
     while not ended:
-        frame = inbox.get()
-        if frame is None:
+        batches = inbox.get()
+        if batches is None:
             break
-        frames = [frame]
-        while len(frames) < MERGE:
+        while len(batches) < MERGE:
             try:
-                frame = inbox.get_nowait()
+                more = inbox.get_nowait()
             except queue.Empty:
                 break
-            if frame is None:
+            if more is None:
                 ended = True
                 break
-            frames.append(frame)
-        seq = frames[-1][0]
+            batches += more
+        seq = batches[-1][0]
         if not failed:
             try:
-                apply([tuple.__new__(Record, r) for _, batch in frames for r in batch], seq)
+                apply([r for _, batch in batches for r in batch], seq)
             except StorageError as e:
-                failed = str(e)
-        try:
-            _send(wfd, (seq, failed or None))
-        except OSError:  # the run is gone: nobody to answer
+                failed.append(str(e))
+        with state:
+            applied = seq
+            state.notify_all()
+        if not answer(APPLY, seq):
             break
+    with state:
+        closing = True
+        state.notify_all()
+    reader.join()
+    with contextlib.suppress(StorageError):
+        if not failed and intents.last <= applied and intents.size:
+            intents.cut()  # (all applied: nothing for the next start to do)
+    intents.close()
     return 0
-
-

@@ -9,9 +9,10 @@ Layout of a state directory::
     live.json                              the running job's last progress snapshot
 
 Durability: WAL with ``synchronous = FULL``: a committed transaction survives a crash and a
-power loss. A run's writes go through one process of their own (``sqlproc``: the writer's
-thread, ``writer.Writer``, hands it the batches, and makes the ``sent`` intents durable in
-``intents.log`` first); each of its group commits is one transaction, so one fsync of the WAL,
+power loss. A run's writes go through one process of their own (``sqlproc``: the run's writer,
+``writer.ProcessWriter``, hands it the batches from the event loop; it makes the ``sent``
+intents durable in ``intents.log`` first); each of its group commits is one transaction, so one
+fsync of the WAL,
 and records the number of its last batch ('applied' in ``meta``). Readers (``status``,
 ``export``, the run's own lookups) read consistent snapshots while it writes.
 
@@ -56,7 +57,6 @@ import logging
 import os
 import sqlite3
 import tempfile
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -79,11 +79,10 @@ from .records import (
     state_of,
     utc_day,
 )
-from .sqlproc import CUT_AT, INTENTS, LOGGED, IntentLog, WriterProcess, pending_records
+from .sqlproc import INTENTS, IntentLog, WriterProcess, pending_records
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
-HELD = 4096  # logged records held back at most before they are piped on their own
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -253,11 +252,9 @@ class SqliteStore:
         # (days since the epoch, UTC date, its start and end) of the last record applied
         self._day: tuple[int, str, float, float] = (-1, "", 0.0, -1.0)
         self._next_payload: int | None = None  # the number of the next payload row written
-        self._proc: WriterProcess | None = None  # a run's: the process that writes (sqlproc)
-        self._intents: IntentLog | None = None
-        self._seq = 0  # the number of the last batch handed to it
-        # logged records not piped to it yet: they go with the next batch (see ``submit``)
-        self._held: list[Record] = []
+        # a run's: the process that writes (sqlproc), which ``writer.ProcessWriter`` feeds
+        self.process: WriterProcess | None = None
+        self._seq = 0  # the number of the last batch applied or logged
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
@@ -296,8 +293,6 @@ class SqliteStore:
                 store._reader.execute("CREATE TEMP TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
                 store._start_writing_process(lock_fd)
             except BaseException:
-                if store is not None and store._intents is not None:
-                    store._intents.close()
                 db.close()
                 raise
         except sqlite3.Error as e:
@@ -357,21 +352,19 @@ class SqliteStore:
         return orjson.loads(row[0]) if row and row[0] is not None else None
 
     def _start_writing_process(self, lock_fd: int) -> None:
-        """The process that writes for this run (``sqlproc``), and its intent log; where it
-        cannot start (no Python to run it: an embedding application), this process writes."""
+        """The process that writes for this run (``sqlproc``), once the intent log is emptied
+        (all of it is applied by now); where it cannot start (no Python to run it: an
+        embedding application), this process writes."""
+        intents = IntentLog(self.state_dir)
         try:
-            proc = WriterProcess(self.state_dir, lock_fd)
+            if intents.size:
+                intents.cut()
+        finally:
+            intents.close()
+        try:
+            self.process = WriterProcess(self.state_dir, lock_fd, self._seq)
         except StorageError as e:
             log.warning("%s; the run writes the state database in its own process", e)
-            return
-        try:
-            self._intents = IntentLog(self.state_dir)
-            if self._intents.size:  # (applied at open: ``_apply_logged_intents``)
-                self._intents.cut()
-        except BaseException:
-            proc.close()
-            raise
-        self._proc = proc
 
     def _apply_logged_intents(self) -> None:
         """The records of ``intents.log`` that the last run's writing process did not apply
@@ -497,76 +490,18 @@ class SqliteStore:
             while rows := cur.fetchmany(CHUNK):
                 yield [row[0] for row in rows]
 
-    # -- the Store interface: writing (the writer's thread) -----------------------------------
+    # -- the Store interface: writing --------------------------------------------------------
 
     def commit(self, records: Sequence[Record]) -> frozenset[str]:
         """One transaction for the batch: durable (WAL fsync) when this returns. One process
-        owns the state: no intent is refused."""
-        if self._proc is not None:
-            answer: list[StorageError | None] = []
-            ready = threading.Event()
-
-            def done(error: StorageError | None) -> None:
-                answer.append(error)
-                ready.set()
-
-            self.submit(records, done)
-            ready.wait()
-            if answer[0] is not None:
-                raise answer[0]
-            return frozenset()
-        self.apply_batch(records)
-        return frozenset()
-
-    def submit(self, records: Sequence[Record], done: Callable[[StorageError | None], None]
-               ) -> None:
-        """Hand a batch to the writing process (the writer's thread; see ``sqlproc``):
-        ``done(None)`` once it is durable, ``done(error)`` if it cannot be. A batch of
-        ``sent`` intents (or the ``run`` record) alone is durable once appended to
-        ``intents.log`` (``done`` is called before this returns); any other once the process
-        has committed it."""
-        proc, intents = self._proc, self._intents
-        if proc is None or intents is None:  # (no writing process: written here)
-            try:
-                self.apply_batch(records)
-            except StorageError as e:
-                done(e)
-                return
-            done(None)
-            return
-        if proc.failed is not None:
-            done(proc.failed)
-            return
-        self._seq += 1
-        seq = self._seq
-        if all(rec.kind in LOGGED for rec in records):
-            try:
-                if intents.size > CUT_AT and proc.applied >= intents.last:
-                    intents.cut()
-                intents.append(seq, records)
-            except StorageError as e:
-                done(e)
-                return
-            done(None)  # (durable now: the requests go)
-            self._held += records  # (the process gets them with the next batch: one pipe
-            if len(self._held) >= HELD:  # write, and one GIL round trip, for both)
-                self._send_held()
+        owns the state: no intent is refused. (A run with a writing process hands its
+        batches to it from the event loop instead: ``writer.ProcessWriter``; this waits for
+        its answer.)"""
+        if self.process is not None:
+            self.process.commit(records)
         else:
-            held, self._held = self._held, []
-            proc.send(seq, [*held, *records] if held else records, done)
-
-    def _send_held(self) -> None:
-        """Pipe the logged records held back to the writing process (numbered as the last
-        batch logged: the process applies them in one transaction)."""
-        if self._held and self._proc is not None:
-            held, self._held = self._held, []
-            self._proc.send(self._seq, held, None)
-
-    def drain(self) -> None:
-        """Wait until every batch handed over is durable (or failed)."""
-        if self._proc is not None:
-            self._send_held()
-            self._proc.drain()
+            self.apply_batch(records)
+        return frozenset()
 
     def apply_batch(self, records: Sequence[Record], seq: int | None = None) -> None:
         """Apply the batch in one transaction (in the writing process: with ``seq``, the
@@ -859,16 +794,9 @@ class SqliteStore:
 
     async def close(self) -> None:
         def close() -> None:
-            self._send_held()
-            proc, intents = self._proc, self._intents
-            self._proc = self._intents = None
-            if proc is not None:  # (it applies what it holds, then exits)
+            proc, self.process = self.process, None
+            if proc is not None:  # (it applies what it holds, empties the log and exits)
                 proc.close()
-            if intents is not None:
-                with contextlib.suppress(StorageError):
-                    if proc is not None and proc.failed is None and proc.applied >= intents.last:
-                        intents.cut()  # (all applied: nothing for the next start to do)
-                intents.close()
             for db in (self._reader, self._db):
                 if db is not None:
                     with contextlib.suppress(sqlite3.Error):

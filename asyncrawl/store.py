@@ -29,7 +29,10 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            it count; blocking, called only from the writer's thread. Returns
                            the IDs whose ``sent`` intent it refused (another process of a
                            shared job holds them now; never on one machine). Raises
-                           ``StorageError``; after one, the store takes no more writes
+                           ``StorageError``; after one, the store takes no more writes.
+                           A store whose writes a process of its own makes has it as
+                           ``process`` (SQLite's, ``sqlproc.WriterProcess``): the run's
+                           writer feeds it from the event loop (``writer.ProcessWriter``)
 ``snapshot()``             the figures of ``status`` (``records.Snapshot``), from indexes
 ``records(outcome)``       stream the records to export: ``ok`` (each ID's result, once),
                            ``failed`` or ``unavailable`` (each such ID's latest outcome record)

@@ -1,19 +1,22 @@
 """[4] The single writer: group-commits queued records to the store and reports them once durable.
 
 Everything a run records (``sent`` intents, outcomes, the run's own records) passes through one
-``Writer``; its thread is the only one that writes to the store.
+writer, the only one that writes to the store: ``Writer``, whose thread commits to a store
+that writes in the run's own process (PostgreSQL; SQLite where no writing process can start),
+or ``ProcessWriter``, which hands batches to a store's writing process (SQLite's, ``sqlproc``)
+from the event loop itself, with no thread of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from .errors import StorageError
 from .records import Commit, Record
@@ -68,8 +71,6 @@ class Writer:
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self._thread: threading.Thread | None = None
         self.failed: StorageError | None = None
-        # the store takes batches to make durable later (``submit``: SQLite's writing process)
-        self._submit: Callable[..., None] | None = getattr(store, "submit", None)
         self.commits = 0
         self.written = 0
 
@@ -163,12 +164,9 @@ class Writer:
                     if time.monotonic() < due:
                         held, later = later, []
                 for part in (now, later):
-                    for piece in (_sent_apart(part) if self._submit else (part,)):
-                        if piece:
-                            self._write(piece)
+                    if part:
+                        self._write(part)
         finally:
-            with contextlib.suppress(Exception):
-                self._drain()
             self._post(_resolve, done, None)
 
     def _take(self, batch: list[_Entry], entry: _Entry | None) -> bool:
@@ -202,40 +200,22 @@ class Writer:
 
     def _write(self, batch: list[_Entry]) -> None:
         """Commit the batch to the store, unless an earlier batch failed, and report it back
-        to the loop (``_done``): at once, or, where the store takes batches to make durable
-        later (``submit``: the SQLite store's writing process), once it has."""
+        to the loop (``_done``). The first error is the one reported; nothing is written after
+        it."""
         if self.failed is not None:
             self._post(self._done, batch, False, None, _NONE)
             return
-        submit = self._submit
         try:
-            if submit is None:
-                self._post(self._done, batch, True, None,
-                           self.store.commit([rec for rec, _ in batch]))
-            else:
-                submit([rec for rec, _ in batch], lambda error: self._answer(batch, error))
+            self._post(self._done, batch, True, None,
+                       self.store.commit([rec for rec, _ in batch]))
             return
         except StorageError as e:
             error = e
         except Exception as e:  # a bug: stop writing, as for a storage error
             error = StorageError(f"state writer failed: {type(e).__name__}: {e}",
                                  path=self.store.location)
-        self._answer(batch, error)
-
-    def _answer(self, batch: list[_Entry], error: StorageError | None) -> None:
-        """The batch is durable (``error`` None) or cannot be: to the loop. (The writer's
-        thread, or the thread that reads the store's answers.) The first error is the one
-        reported; nothing is written after it."""
-        if error is not None:
-            first, self.failed = self.failed is None, self.failed or error
-            self._post(self._done, batch, False, error if first else None, _NONE)
-        else:
-            self._post(self._done, batch, True, None, _NONE)
-
-    def _drain(self) -> None:
-        """Wait until what the store took to make durable later is (``submit``)."""
-        if self._submit is not None:
-            self.store.drain()  # type: ignore[attr-defined]
+        self.failed = error
+        self._post(self._done, batch, False, error, _NONE)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -270,7 +250,182 @@ class Writer:
                 self._bug = self._bug or e
 
 
+class Process(Protocol):
+    """A store's writing process, seen from the event loop (``sqlproc.WriterProcess``)."""
+
+    logged: frozenset[str]  # the kinds of record it makes durable first, on their own
+
+    def attach(self, loop: asyncio.AbstractEventLoop,
+               on_answer: Callable[[tuple[str, int, str | None] | None], None]) -> None: ...
+
+    def detach(self) -> None: ...
+
+    def send(self, records: Sequence[Record]) -> int: ...
+
+    def gone(self) -> StorageError: ...
+
+
+class ProcessWriter:
+    """The single writer of a store whose writes a process of its own makes (``Process``): the
+    same calls as ``Writer``, all on the event loop, and no thread.
+
+    What is queued in one pass of the loop goes down the pipe as one batch at the end of it
+    (group commit, and one system call). The process answers twice for a batch: once the
+    records of the kinds it makes durable first (``sent`` intents, which requests wait for)
+    are (``logged``), then once it has committed all of it (``applied``); each part is
+    reported (``commit`` futures resolved, ``on_commit(records)``) when its answer comes, in
+    the order sent. Its first error is reported once (``on_error``); nothing counts after
+    it."""
+
+    def __init__(self, proc: Process, *, on_commit: Callable[[list[Record]], None],
+                 on_error: Callable[[StorageError], None]) -> None:
+        self.proc = proc
+        self.on_commit = on_commit
+        self.on_error = on_error
+        self.failed: StorageError | None = None
+        self.commits = 0
+        self.written = 0
+        self._logged = proc.logged
+        self._batch: list[_Entry] = []  # queued since the last batch went
+        self._due = False  # a call to _flush is scheduled
+        self._loop: asyncio.AbstractEventLoop | None = None  # once ``run`` has started
+        # batches sent: their logged part until it is, all of them until applied
+        self._to_log: collections.deque[tuple[int, list[_Entry]]] = collections.deque()
+        self._to_apply: collections.deque[tuple[int, list[_Entry]]] = collections.deque()
+        self._closed = False
+        self._idle: asyncio.Future[None] | None = None  # closed, and everything answered
+        self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
+
+    def __repr__(self) -> str:
+        return (f"<ProcessWriter queued={len(self._batch)} unanswered={len(self._to_apply)} "
+                f"commits={self.commits} written={self.written} "
+                f"failed={self.failed is not None}>")
+
+    def put(self, record: Record) -> None:
+        """Queue a record (never blocks)."""
+        self._batch.append((record, None))
+        if not self._due and self._loop is not None:
+            self._due = True
+            self._loop.call_soon(self._flush)
+
+    def commit(self, record: Record) -> asyncio.Future[Commit]:
+        """Queue a record; the future says when it is durable (``Commit.DURABLE``), or that it
+        cannot be (``FAILED``)."""
+        fut = (self._loop or asyncio.get_running_loop()).create_future()
+        if self.failed is not None:
+            fut.set_result(Commit.FAILED)
+            return fut
+        self._batch.append((record, fut))
+        if not self._due and self._loop is not None:
+            self._due = True
+            self._loop.call_soon(self._flush)
+        return fut
+
+    def close(self) -> None:
+        """Send what is queued; ``run`` returns once everything sent is answered for."""
+        self._closed = True
+        self._flush()
+
+    async def run(self) -> None:
+        """Hand batches to the process until ``close``, and return once it has answered for
+        all of them. If this is cancelled, what is queued is still sent and waited for."""
+        loop = self._loop = asyncio.get_running_loop()
+        idle = self._idle = loop.create_future()
+        self.proc.attach(loop, self._answer)
+        try:
+            self._flush()
+            await asyncio.shield(idle)
+        finally:
+            if not idle.done():  # cancelled
+                self.close()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(idle)
+            self.proc.detach()
+        if self._bug is not None:
+            raise self._bug
+
+    async def join(self) -> None:
+        """(No thread to wait for: ``run`` has returned once nothing is left to answer.)"""
+
+    def _flush(self) -> None:
+        self._due = False
+        batch, self._batch = self._batch, []
+        if batch:
+            if self.failed is not None or self._loop is None:
+                if self._loop is None:  # (``run`` has not started: it sends them)
+                    self._batch = batch
+                else:
+                    _fail(batch)
+            else:
+                seq = self.proc.send([rec for rec, _ in batch])
+                logged = [e for e in batch if e[0].kind in self._logged]
+                if logged:
+                    self._to_log.append((seq, logged))
+                    batch = [e for e in batch if e[0].kind not in self._logged]
+                self._to_apply.append((seq, batch))
+        self._check_idle()
+
+    def _answer(self, answer: tuple[str, int, str | None] | None) -> None:
+        """An answer of the process (``None``: it has gone)."""
+        if answer is None:
+            self._fail(self.proc.gone())
+            return
+        what, seq, error = answer
+        if error is not None:
+            self._fail(StorageError(error))  # (the message names the path)
+            return
+        if what == "logged":
+            while self._to_log and self._to_log[0][0] <= seq:
+                self._durable(self._to_log.popleft()[1])
+        else:
+            while self._to_apply and self._to_apply[0][0] <= seq:
+                n, rest = self._to_apply.popleft()
+                if self._to_log and self._to_log[0][0] == n:  # (answered for at once)
+                    self._durable(self._to_log.popleft()[1])
+                self._durable(rest)
+        self._check_idle()
+
+    def _durable(self, entries: list[_Entry]) -> None:
+        if not entries:
+            return
+        for _, fut in entries:
+            if fut is not None and not fut.done():
+                fut.set_result(Commit.DURABLE)
+        self.commits += 1
+        self.written += len(entries)
+        try:
+            self.on_commit([e[0] for e in entries])
+        except BaseException as e:  # a bug in the caller's bookkeeping: surface it in run()
+            self._bug = self._bug or e
+
+    def _fail(self, error: StorageError) -> None:
+        """Nothing sent and not yet answered for, nor anything after it, is durable."""
+        if self.failed is None:
+            self.failed = error
+            self.on_error(error)
+        while self._to_log:
+            _fail(self._to_log.popleft()[1])
+        while self._to_apply:
+            _fail(self._to_apply.popleft()[1])
+        batch, self._batch = self._batch, []
+        _fail(batch)
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        idle = self._idle
+        if self._closed and idle is not None and not idle.done() and not (
+                self._batch or self._to_apply or self._to_log):
+            idle.set_result(None)
+
+
+def _fail(entries: list[_Entry]) -> None:
+    for _, fut in entries:
+        if fut is not None and not fut.done():
+            fut.set_result(Commit.FAILED)
+
+
 _Entry = tuple[Record, "asyncio.Future[Commit] | None"]
+AnyWriter = Writer | ProcessWriter
 _NONE: frozenset[str] = frozenset()
 _BARRIERS = frozenset({"run", "mark", "halt", "end"})  # records about everything before them
 
@@ -288,13 +443,6 @@ def _hold_back(batch: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:
     if not later:
         return batch, []
     return [e for e in batch if e[1] is not None or e[0].kind != "ok"], later
-
-
-def _sent_apart(batch: list[_Entry]) -> list[list[_Entry]]:
-    """The batch cut, in order, where it goes from ``sent`` intents to other records and
-    back: a store that makes intents alone durable sooner (``SqliteStore.submit``) lets the
-    requests go without waiting for the rest. Applied in this order, it is the same."""
-    return [list(run) for _, run in itertools.groupby(batch, key=lambda e: e[0].kind == "sent")]
 
 
 def _resolve(fut: asyncio.Future[None], value: None) -> None:

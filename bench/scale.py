@@ -126,7 +126,7 @@ async def build(state: Path, n: int, size: int, settled: int, ids_file: Path,
 
     records = await asyncio.to_thread(write)
     took = time.perf_counter() - t0
-    proc = getattr(store, "_proc", None)  # (sqlproc.WriterProcess, where the store has one)
+    proc = getattr(store, "process", None)  # (sqlproc.WriterProcess, where the store has one)
     rss = _peak_rss_mb(proc._proc.pid) if proc is not None else 0.0
     await store.close()  # crashed: no "end" record
     return records / took, records, payload_bytes, rss

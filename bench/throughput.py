@@ -171,45 +171,39 @@ async def run_asyncrawl(base: str, n: int, concurrency: int, state_dir: str,
 def skip_intents() -> None:
     """In this worker process only: the durable "sent" record resolves at once, unwritten."""
     from asyncrawl.records import Record
-    from asyncrawl.writer import Writer
+    from asyncrawl.writer import ProcessWriter, Writer
 
-    commit = Writer.commit
+    for cls in (Writer, ProcessWriter):
+        def no_intent(self: Any, record: Record, commit: Any = cls.commit) -> Any:
+            if record.kind != "sent":
+                return commit(self, record)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(True)  # as if durable at once: nothing is written
+            return fut
 
-    def no_intent(self: Writer, record: Record) -> asyncio.Future[bool]:
-        if record.kind != "sent":
-            return commit(self, record)
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(True)  # as if durable at once: nothing is written
-        return fut
-
-    Writer.commit = no_intent  # type: ignore[method-assign]
+        cls.commit = no_intent  # type: ignore[method-assign]
 
 
 def free_store() -> list[int]:
-    """In this worker process only: the SQLite store's commit drops the ``sent`` and ``ok``
-    records (what the store costs a crawl; the writer's thread, queue and reports unchanged).
+    """In this worker process only: the ``sent`` and ``ok`` records are durable the moment the
+    run's writer sends its batch, and never reach the SQLite store (what the store costs a
+    crawl: the writing process, the pipe; the writer's queue and reports unchanged).
     Returns the count of ``ok`` records dropped, kept up to date."""
-    from asyncrawl.sqlstore import SqliteStore
+    from asyncrawl.writer import ProcessWriter
 
-    commit, submit, dropped = SqliteStore.commit, SqliteStore.submit, [0]
+    flush, dropped, free = ProcessWriter._flush, [0], ("sent", "ok")
 
-    def kept(records: Any) -> list[Any]:
-        dropped[0] += sum(rec.kind == "ok" for rec in records)
-        return [rec for rec in records if rec.kind not in ("sent", "ok")]
+    def free_flush(self: ProcessWriter) -> None:
+        batch = self._batch
+        if self._loop is not None and self.failed is None \
+                and any(rec.kind in free for rec, _ in batch):
+            self._batch = [e for e in batch if e[0].kind not in free]
+            gone = [e for e in batch if e[0].kind in free]
+            dropped[0] += sum(rec.kind == "ok" for rec, _ in gone)
+            self._durable(gone)
+        flush(self)
 
-    def free(self: SqliteStore, records: Any) -> frozenset[str]:
-        rest = kept(records)
-        return commit(self, rest) if rest else frozenset()
-
-    def free_submit(self: SqliteStore, records: Any, done: Any) -> None:
-        rest = kept(records)  # (the writer's path: ``submit``, where the store has one)
-        if rest:
-            submit(self, rest, done)
-        else:
-            done(None)
-
-    SqliteStore.commit = free  # type: ignore[method-assign]
-    SqliteStore.submit = free_submit  # type: ignore[method-assign]
+    ProcessWriter._flush = free_flush  # type: ignore[method-assign]
     return dropped
 
 

@@ -20,10 +20,10 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
-from asyncrawl.sqlproc import IntentLog
+from asyncrawl.sqlproc import IntentLog, pending_records
 from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
-from asyncrawl.writer import Writer
+from asyncrawl.writer import ProcessWriter, Writer
 
 from .conftest import as_schema_2, as_schema_3, db_rows, outcomes_of, sends_of
 
@@ -285,11 +285,9 @@ async def test_where_no_writing_process_can_start_the_run_writes_in_its_own(
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
     state = tmp_path / "state"
     store = await open_store(state)
-    assert store._proc is None  # type: ignore[attr-defined]
+    assert store.process is None  # type: ignore[attr-defined]
     store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("a")])
-    done: list[Any] = []
-    store.submit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)], done.append)  # type: ignore[attr-defined]
-    assert done == [None]
+    store.commit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)])
     await store.close()
     assert "writes the state database in its own process" in caplog.text
     assert read_store(state).snapshot().counts.ok == 1 and sends_of(state) == {"a": 1}
@@ -298,9 +296,9 @@ async def test_where_no_writing_process_can_start_the_run_writes_in_its_own(
 def _die(store: Any) -> None:
     """As if the run's process died: its SQLite writing process sees the pipe end and exits,
     and the state directory's lock goes with the two."""
-    if getattr(store, "_proc", None) is not None:
-        store._proc.close()
-        store._proc = None
+    if getattr(store, "process", None) is not None:
+        store.process.close()
+        store.process = None
     os.close(store._lock_fd)
     store._lock_fd = -1
 
@@ -343,20 +341,15 @@ async def test_intents_only_the_log_holds_are_in_doubt_and_applied_at_the_next_o
 
 async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path: Path) -> None:
     """The ``run`` record is durable in ``intents.log`` like the intents that follow it (a run's
-    first requests do not wait for the writing process): where that process died before
+    first requests do not wait for the database): where the writing process died before
     applying it, the next open applies the run first, and its intents belong to it."""
     state = tmp_path / "state"
     await committed(state, [RECORDS[0]])
-    store = await open_store(state)
-    done: list[Any] = []
-    store.submit([Record("run", ts=TS, extra={"job": JOB, "pid": 4242})], done.append)  # type: ignore[attr-defined]
-    assert done == [None]  # durable once logged, before the process has applied it
-    _die(store)
     applied = int(db_rows(state, "SELECT value FROM meta WHERE key = 'applied'")[0][0])
-    await store.close()
-    logged = IntentLog(state)  # as the run's writer appends them, beyond what was applied
-    logged.append(applied + 1, [Record("run", ts=TS + 1, extra={"job": JOB, "pid": 5151})])
-    logged.append(applied + 2, [Record.sent("x", key="k1"), Record.sent("y")])
+    logged = IntentLog(state)  # as the writing process appends them, beyond what was applied
+    logged.append([(applied + 1, [Record("run", ts=TS, extra={"job": JOB, "pid": 4242})])])
+    logged.append([(applied + 2, [Record("run", ts=TS + 1, extra={"job": JOB, "pid": 5151})]),
+                   (applied + 3, [Record.sent("x", key="k1"), Record.sent("y")])])
     logged.close()
     assert dict(read_store(state).in_doubt()) == {"x": False, "y": False}
 
@@ -370,29 +363,62 @@ async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path:
     assert db_rows(state, "SELECT key, sent FROM key_ledger") == [("k1", 1)]
 
 
-async def test_logged_intents_reach_the_database_with_the_next_batch_or_at_drain(
-        tmp_path: Path) -> None:
-    """Intents durable in the log are piped to the writing process with the batch after them
-    (one write for both), or on their own when the writer drains, and the store closes with
-    none left behind."""
+async def test_intents_count_once_logged_and_the_rest_once_applied(tmp_path: Path) -> None:
+    """The writing process answers for a batch's ``sent`` intents and ``run`` record once they
+    are in ``intents.log``, before it has applied the batch (here it cannot: another
+    connection holds the database's write lock), and for the rest once applied; the run's
+    process writes from its event loop, and at close everything is applied and the log
+    emptied."""
     state = tmp_path / "state"
     store = await open_store(state)
-    done: list[Any] = []
-    submit = store.submit  # type: ignore[attr-defined]
-    submit([Record("run", ts=TS, extra={"job": JOB})], done.append)
-    submit([Record.sent("a"), Record.sent("b")], done.append)
-    submit([Record("ok", "a", status=200, data=1, paid=1, ts=TS)], done.append)
-    store.drain()  # type: ignore[attr-defined]
-    assert done == [None, None, None]
-    assert sends_of(state) == {"a": 1, "b": 1}
-    assert outcomes_of(state) == {"a": "ok"}
-    submit([Record.sent("c")], done.append)  # nothing after it: piped at drain
-    store.drain()  # type: ignore[attr-defined]
-    assert sends_of(state) == {"a": 1, "b": 1, "c": 1}
-    submit([Record.sent("d")], done.append)  # nor a drain: at close
+    batches: list[list[tuple[str, str | None]]] = []
+    errors: list[StorageError] = []
+    w = ProcessWriter(store.process,  # type: ignore[attr-defined]
+                      on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+                      on_error=errors.append)
+    task = asyncio.create_task(w.run())
+    blocker = sqlite3.connect(state / DB, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        run = w.commit(Record("run", ts=TS, extra={"job": JOB}))
+        intent = w.commit(Record.sent("a", key="k1"))
+        assert await asyncio.wait_for(run, 30) is Commit.DURABLE
+        assert await asyncio.wait_for(intent, 30) is Commit.DURABLE
+        w.put(Record("ok", "a", status=200, data=1, paid=1, ts=TS))
+        mark = w.commit(Record("mark", extra={"frontier": {"line": 1}}, ts=TS))
+        assert [rec.id for _, rec in pending_records(state, 0)] == [None, "a"]
+        assert sends_of(state) == {} and not mark.done()  # logged, not applied
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert await asyncio.wait_for(mark, 30) is Commit.DURABLE
+    w.close()
+    await task
     await store.close()
-    assert sends_of(state) == {"a": 1, "b": 1, "c": 1, "d": 1}
-    assert (state / "intents.log").stat().st_size == 0  # all applied: the log cut
+    assert errors == []
+    assert batches == [[("run", None), ("sent", "a")], [("ok", "a"), ("mark", None)]]
+    assert (w.commits, w.written) == (2, 4)
+    assert sends_of(state) == {"a": 1} and outcomes_of(state) == {"a": "ok"}
+    assert (state / "intents.log").stat().st_size == 0  # all applied: the log emptied
+
+
+async def test_the_writing_process_gone_is_a_storage_error(tmp_path: Path) -> None:
+    """The writing process killed mid-run: what it had not answered for, and everything
+    after, is not durable, and the run hears it once, as a storage error."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    errors: list[StorageError] = []
+    w = ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=errors.append)
+    task = asyncio.create_task(w.run())
+    assert await w.commit(Record("run", ts=TS, extra={"job": JOB})) is Commit.DURABLE
+    store.process._proc.kill()  # type: ignore[attr-defined]
+    assert await asyncio.wait_for(w.commit(Record.sent("a")), 30) is Commit.FAILED
+    assert await w.commit(Record.sent("b")) is Commit.FAILED
+    w.close()
+    await task
+    await store.close()
+    assert len(errors) == 1 and "state writer process ended unexpectedly" in str(errors[0])
 
 
 async def test_in_doubt_after_a_crash_after_an_end_and_after_a_refetch(tmp_path: Path) -> None:
@@ -659,16 +685,17 @@ async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) 
 
 async def test_writer_commits_intents_before_results_unless_a_record_is_about_all(
         tmp_path: Path) -> None:
-    """Intents that requests wait for are not held back by the results queued with them (held
-    back, or cut apart: the intents alone are durable in the intent log at once); the order of
-    the database stays the queue's for everything but ``ok`` (an ID's last record), and a
-    batch with a record about everything before it (here ``end``) is not reordered."""
+    """Intents that requests wait for are not held back by the results queued with them
+    (they are durable in the intent log at once); the database applies the batch in the
+    queue's order, and a batch with a record about everything before it (here ``end``) is
+    applied after the rest."""
     state = tmp_path / "state"
     store = await open_store(state)
     store.commit(RECORDS[:1])  # the run
     batches: list[list[tuple[str, str | None]]] = []
-    w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
-               on_error=print, linger=0)
+    w = ProcessWriter(store.process,  # type: ignore[attr-defined]
+                      on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+                      on_error=print)
     w.put(Record("ok", "a", status=200, data={"n": 1}, paid=1, ts=TS))
     w.put(Record("failed", "b", status=503, error="HTTP 503", ts=TS))
     intent = w.commit(Record("sent", "b", ts=TS))
@@ -676,19 +703,20 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     w.close()
     await w.run()
     assert await intent is Commit.DURABLE
-    assert sorted(batches) == [[("failed", "b")], [("ok", "a"), ("ok", "c")], [("sent", "b")]]
+    assert batches == [[("sent", "b")], [("ok", "a"), ("failed", "b"), ("ok", "c")]]
     assert db_rows(state, "SELECT state, sent_run IS NOT NULL FROM items WHERE id = 'b'") == [
         ("failed", 1)]  # the intent applied after the failure it came after
     batches.clear()
-    w = Writer(store, on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
-               on_error=print, linger=0)
+    w = ProcessWriter(store.process,  # type: ignore[attr-defined]
+                      on_commit=lambda b: batches.append([(r.kind, r.id) for r in b]),
+                      on_error=print)
     w.put(Record("ok", "d", status=200, data={"n": 4}, paid=1, ts=TS))
     intent = w.commit(Record("sent", "e", ts=TS))
     w.put(Record("end", extra={"in_doubt": ["e"]}, ts=TS))
     w.close()
     await w.run()
     assert await intent is Commit.DURABLE
-    assert sorted(batches, key=str) == [[("end", None)], [("ok", "d")], [("sent", "e")]]
+    assert batches == [[("sent", "e")], [("ok", "d"), ("end", None)]]
     await store.close()
     in_doubt = dict(read_store(state).in_doubt())
     assert in_doubt == {"e": False}  # and nothing about "b": its intent came after its failure
