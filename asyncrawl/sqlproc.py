@@ -268,13 +268,19 @@ class WriterProcess:
         if not self._unsent and self._loop is not None:
             self._loop.remove_writer(self._out)
 
-    def _readable(self) -> None:
+    def _read(self) -> bytes | None:
+        """What the answers' pipe holds (``b""`` at its end; ``None``: nothing yet)."""
         try:
-            chunk = os.read(self._in, PIPE_BYTES)
+            return os.read(self._in, PIPE_BYTES)
         except BlockingIOError:
-            return
+            return None
         except OSError:
-            chunk = b""
+            return b""
+
+    def _readable(self) -> None:
+        chunk = self._read()
+        if chunk is None:
+            return
         assert self._on_answer is not None
         if not chunk:
             self.detach()
@@ -292,12 +298,9 @@ class WriterProcess:
             self._writable()
         while True:
             select.select([self._in], [], [])
-            try:
-                chunk = os.read(self._in, PIPE_BYTES)
-            except BlockingIOError:
+            chunk = self._read()
+            if chunk is None:
                 continue
-            except OSError:
-                chunk = b""
             if not chunk:
                 raise self.gone()
             for what, n, error in self._frames.feed(chunk):

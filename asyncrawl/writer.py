@@ -116,13 +116,7 @@ class Writer:
                                   daemon=True)
         self._thread = thread
         thread.start()
-        try:
-            await asyncio.shield(done)
-        finally:
-            if not done.done():  # cancelled
-                self.close()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(done)
+        await _wait_out(done, self.close)
         if self._bug is not None:
             raise self._bug
 
@@ -237,10 +231,7 @@ class Writer:
                 else:
                     kept.append((rec, fut))
             batch = kept
-        result = Commit.DURABLE if durable else Commit.FAILED
-        for _, fut in batch:
-            if fut is not None and not fut.done():
-                fut.set_result(result)
+        _answer(batch, Commit.DURABLE if durable else Commit.FAILED)
         if durable:
             self.commits += 1
             self.written += len(batch)
@@ -334,12 +325,8 @@ class ProcessWriter:
         self.proc.attach(loop, self._answer)
         try:
             self._flush()
-            await asyncio.shield(idle)
+            await _wait_out(idle, self.close)
         finally:
-            if not idle.done():  # cancelled
-                self.close()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(idle)
             self.proc.detach()
         if self._bug is not None:
             raise self._bug
@@ -355,7 +342,7 @@ class ProcessWriter:
                 if self._loop is None:  # (``run`` has not started: it sends them)
                     self._batch = batch
                 else:
-                    _fail(batch)
+                    _answer(batch, Commit.FAILED)
             else:
                 seq = self.proc.send([rec for rec, _ in batch])
                 logged = [e for e in batch if e[0].kind in self._logged]
@@ -388,9 +375,7 @@ class ProcessWriter:
     def _durable(self, entries: list[_Entry]) -> None:
         if not entries:
             return
-        for _, fut in entries:
-            if fut is not None and not fut.done():
-                fut.set_result(Commit.DURABLE)
+        _answer(entries, Commit.DURABLE)
         self.commits += 1
         self.written += len(entries)
         try:
@@ -404,11 +389,11 @@ class ProcessWriter:
             self.failed = error
             self.on_error(error)
         while self._to_log:
-            _fail(self._to_log.popleft()[1])
+            _answer(self._to_log.popleft()[1], Commit.FAILED)
         while self._to_apply:
-            _fail(self._to_apply.popleft()[1])
+            _answer(self._to_apply.popleft()[1], Commit.FAILED)
         batch, self._batch = self._batch, []
-        _fail(batch)
+        _answer(batch, Commit.FAILED)
         self._check_idle()
 
     def _check_idle(self) -> None:
@@ -418,10 +403,23 @@ class ProcessWriter:
             idle.set_result(None)
 
 
-def _fail(entries: list[_Entry]) -> None:
+async def _wait_out(done: asyncio.Future[None], close: Callable[[], None]) -> None:
+    """Wait until ``done``; if this is cancelled first, ``close`` the writer and still wait
+    (what is queued is committed), then let the cancellation through."""
+    try:
+        await asyncio.shield(done)
+    finally:
+        if not done.done():  # cancelled
+            close()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(done)
+
+
+def _answer(entries: list[_Entry], result: Commit) -> None:
+    """Resolve the ``commit`` futures of ``entries`` (those not resolved yet)."""
     for _, fut in entries:
         if fut is not None and not fut.done():
-            fut.set_result(Commit.FAILED)
+            fut.set_result(result)
 
 
 _Entry = tuple[Record, "asyncio.Future[Commit] | None"]
