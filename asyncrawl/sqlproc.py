@@ -5,7 +5,7 @@ there (its B-tree updates, WAL frames and fsyncs, beside the event loop) cost a 
 stack's limit a quarter of its throughput, where the same work in another process costs it
 nothing measurable (bench/README.md, 2026-12-03). Nor does the crawl's process keep a thread
 for it: each thread that takes the GIL back after a system call makes the event loop wait for
-it (bench/README.md, 2026-12-04). So:
+it (bench/README.md, 2026-12-03, stop 34). So:
 
 * the event loop writes each batch down a pipe (``WriterProcess.send``, non-blocking; what the
   pipe cannot take yet waits for it to drain) and reads the answers when the pipe has some
@@ -39,7 +39,7 @@ import signal
 import struct
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -237,7 +237,7 @@ class WriterProcess:
             self._loop.remove_writer(self._out)
             self._loop = None
 
-    def send(self, records: Sequence[Record]) -> int:
+    def send(self, records: Iterable[Record]) -> int:
         """Write a batch down the pipe (what it cannot take now goes once it can); its
         number."""
         self.seq += 1

@@ -254,7 +254,6 @@ class SqliteStore:
         self._next_payload: int | None = None  # the number of the next payload row written
         # a run's: the process that writes (sqlproc), which ``writer.ProcessWriter`` feeds
         self.process: WriterProcess | None = None
-        self._seq = 0  # the number of the last batch applied or logged
         with self._reading():
             self._version = db.execute("PRAGMA user_version").fetchone()[0]
             self._page = db.execute("PRAGMA page_size").fetchone()[0]
@@ -287,11 +286,11 @@ class SqliteStore:
             try:
                 _ensure_schema(db, d / DB)
                 store = cls(d, db, lock_fd=lock_fd)
-                store._apply_logged_intents()
+                seq = store._apply_logged_intents()
                 store._close_crashed_run()
                 store._reader = _connect(d / DB)
                 store._reader.execute("CREATE TEMP TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
-                store._start_writing_process(lock_fd)
+                store._start_writing_process(lock_fd, seq)
             except BaseException:
                 db.close()
                 raise
@@ -351,10 +350,10 @@ class SqliteStore:
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return orjson.loads(row[0]) if row and row[0] is not None else None
 
-    def _start_writing_process(self, lock_fd: int) -> None:
-        """The process that writes for this run (``sqlproc``), once the intent log is emptied
-        (all of it is applied by now); where it cannot start (no Python to run it: an
-        embedding application), this process writes."""
+    def _start_writing_process(self, lock_fd: int, seq: int) -> None:
+        """The process that writes for this run (``sqlproc``; its batches are numbered on
+        from ``seq``), once the intent log is emptied (all of it is applied by now); where it
+        cannot start (no Python to run it: an embedding application), this process writes."""
         intents = IntentLog(self.state_dir)
         try:
             if intents.size:
@@ -362,16 +361,16 @@ class SqliteStore:
         finally:
             intents.close()
         try:
-            self.process = WriterProcess(self.state_dir, lock_fd, self._seq)
+            self.process = WriterProcess(self.state_dir, lock_fd, seq)
         except StorageError as e:
             log.warning("%s; the run writes the state database in its own process", e)
 
-    def _apply_logged_intents(self) -> None:
+    def _apply_logged_intents(self) -> int:
         """The records of ``intents.log`` that the last run's writing process did not apply
         (it died first, or the machine did): applied now, in one transaction, which also
         records the highest batch number seen (the log is emptied when this run opens it).
         Intents before any ``run`` record of the log belong to the last run the database
-        has."""
+        has. Returns the number of the last batch applied."""
         db = self._db
         applied = int(self._meta_json("applied") or 0)
         logged = list(pending_records(self.state_dir, applied))
@@ -392,7 +391,7 @@ class SqliteStore:
             log.warning("applied %s records of the last run from %s (its writing process "
                         "ended before it had)", f"{len(logged):,}", INTENTS)
             self._run, self._endpoint = None, ""
-        self._seq = max(applied, logged[-1][0] if logged else 0)
+        return max(applied, logged[-1][0] if logged else 0)
 
     def _close_crashed_run(self) -> None:
         """If the last run ended without its ``end`` record, what it had sent without an outcome

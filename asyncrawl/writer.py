@@ -15,7 +15,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from .errors import StorageError
@@ -23,7 +23,30 @@ from .records import Commit, Record
 from .store import Store
 
 
-class Writer:
+class _Reporting:
+    """What both writers keep of what they report: ``on_commit`` for each durable part,
+    ``on_error`` once, their counts, and a bug of ``on_commit`` to raise in ``run``."""
+
+    def __init__(self, on_commit: Callable[[list[Record]], None],
+                 on_error: Callable[[StorageError], None]) -> None:
+        self.on_commit = on_commit
+        self.on_error = on_error
+        self.failed: StorageError | None = None
+        self.commits = 0
+        self.written = 0
+        self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
+
+    def _count(self, records: list[Record]) -> None:
+        """``records`` are durable (their futures resolved): count them, tell ``on_commit``."""
+        self.commits += 1
+        self.written += len(records)
+        try:
+            self.on_commit(records)
+        except BaseException as e:  # a bug in the caller's bookkeeping: surface it in run()
+            self._bug = self._bug or e
+
+
+class Writer(_Reporting):
     """The single writer: group-commits queued records and reports them once durable.
 
     Records are queued by ``put`` (or ``commit``, to wait until one is durable). The writer's
@@ -52,9 +75,8 @@ class Writer:
         hold: float = 0.02,
         hold_limit: int = 256,
     ) -> None:
+        super().__init__(on_commit, on_error)
         self.store = store
-        self.on_commit = on_commit
-        self.on_error = on_error
         self.batch_limit = batch_limit
         self.linger = linger  # seconds a batch no one waits for may wait for company
         self.hold = hold  # seconds ok results may be held back behind intents (_hold_back)
@@ -68,11 +90,7 @@ class Writer:
         self._taken = 0  # ... and taken by the writer's thread (which counts these)
         self._queue: queue.SimpleQueue[_Entry | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self._thread: threading.Thread | None = None
-        self.failed: StorageError | None = None
-        self.commits = 0
-        self.written = 0
 
     def __repr__(self) -> str:
         return (f"<Writer queued={self._queue.qsize()} commits={self.commits} "
@@ -233,12 +251,7 @@ class Writer:
             batch = kept
         _answer(batch, Commit.DURABLE if durable else Commit.FAILED)
         if durable:
-            self.commits += 1
-            self.written += len(batch)
-            try:
-                self.on_commit([e[0] for e in batch])
-            except BaseException as e:  # a bug in the caller's bookkeeping: surface it in run()
-                self._bug = self._bug or e
+            self._count([e[0] for e in batch])
 
 
 class Process(Protocol):
@@ -251,12 +264,12 @@ class Process(Protocol):
 
     def detach(self) -> None: ...
 
-    def send(self, records: Sequence[Record]) -> int: ...
+    def send(self, records: Iterable[Record]) -> int: ...
 
     def gone(self) -> StorageError: ...
 
 
-class ProcessWriter:
+class ProcessWriter(_Reporting):
     """The single writer of a store whose writes a process of its own makes (``Process``): the
     same calls as ``Writer``, all on the event loop, and no thread.
 
@@ -270,12 +283,8 @@ class ProcessWriter:
 
     def __init__(self, proc: Process, *, on_commit: Callable[[list[Record]], None],
                  on_error: Callable[[StorageError], None]) -> None:
+        super().__init__(on_commit, on_error)
         self.proc = proc
-        self.on_commit = on_commit
-        self.on_error = on_error
-        self.failed: StorageError | None = None
-        self.commits = 0
-        self.written = 0
         self._logged = proc.logged
         self._batch: list[_Entry] = []  # queued since the last batch went
         self._due = False  # a call to _flush is scheduled
@@ -285,7 +294,6 @@ class ProcessWriter:
         self._to_apply: collections.deque[tuple[int, list[_Entry]]] = collections.deque()
         self._closed = False
         self._idle: asyncio.Future[None] | None = None  # closed, and everything answered
-        self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
 
     def __repr__(self) -> str:
         return (f"<ProcessWriter queued={len(self._batch)} unanswered={len(self._to_apply)} "
@@ -336,20 +344,18 @@ class ProcessWriter:
 
     def _flush(self) -> None:
         self._due = False
+        if self._loop is None:  # (``run`` has not started: it sends what is queued)
+            return
         batch, self._batch = self._batch, []
-        if batch:
-            if self.failed is not None or self._loop is None:
-                if self._loop is None:  # (``run`` has not started: it sends them)
-                    self._batch = batch
-                else:
-                    _answer(batch, Commit.FAILED)
-            else:
-                seq = self.proc.send([rec for rec, _ in batch])
-                logged = [e for e in batch if e[0].kind in self._logged]
-                if logged:
-                    self._to_log.append((seq, logged))
-                    batch = [e for e in batch if e[0].kind not in self._logged]
-                self._to_apply.append((seq, batch))
+        if batch and self.failed is not None:
+            _answer(batch, Commit.FAILED)
+        elif batch:
+            seq = self.proc.send(rec for rec, _ in batch)
+            logged = [e for e in batch if e[0].kind in self._logged]
+            if logged:
+                self._to_log.append((seq, logged))
+                batch = [e for e in batch if e[0].kind not in self._logged]
+            self._to_apply.append((seq, batch))
         self._check_idle()
 
     def _answer(self, answer: tuple[str, int, str | None] | None) -> None:
@@ -361,27 +367,17 @@ class ProcessWriter:
         if error is not None:
             self._fail(StorageError(error))  # (the message names the path)
             return
-        if what == "logged":
-            while self._to_log and self._to_log[0][0] <= seq:
-                self._durable(self._to_log.popleft()[1])
-        else:
-            while self._to_apply and self._to_apply[0][0] <= seq:
-                n, rest = self._to_apply.popleft()
-                if self._to_log and self._to_log[0][0] == n:  # (answered for at once)
-                    self._durable(self._to_log.popleft()[1])
-                self._durable(rest)
+        # (it answers "logged" for a batch before "applied")
+        pending = self._to_log if what == "logged" else self._to_apply
+        while pending and pending[0][0] <= seq:
+            self._durable(pending.popleft()[1])
         self._check_idle()
 
     def _durable(self, entries: list[_Entry]) -> None:
         if not entries:
             return
         _answer(entries, Commit.DURABLE)
-        self.commits += 1
-        self.written += len(entries)
-        try:
-            self.on_commit([e[0] for e in entries])
-        except BaseException as e:  # a bug in the caller's bookkeeping: surface it in run()
-            self._bug = self._bug or e
+        self._count([e[0] for e in entries])
 
     def _fail(self, error: StorageError) -> None:
         """Nothing sent and not yet answered for, nor anything after it, is durable."""
