@@ -9,6 +9,7 @@ streams it, so memory does not grow with the file. The crawler takes IDs a chunk
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import stat
@@ -56,8 +57,37 @@ def parse_line(raw: bytes, *, path: str, line: int) -> str | None:
     return item
 
 
-def _raw_lines(path: str) -> Iterator[bytes]:
-    """Raw lines of a file, read in chunks (bounded memory even for a file with no newline)."""
+def parse_block(block: bytes, *, path: str, first: int) -> list[str]:
+    """The IDs on a block of whole lines joined by ``\\n``, the first of them line ``first`` of
+    the file (blank lines dropped), or ``InputError`` naming the first bad line: ``parse_line``
+    on each line, a block at a time. The common block (UTF-8, no control character, no ID too
+    long) is decoded, split and checked in a few calls that loop in C; any other goes line by
+    line, which finds the bad line and says what is wrong with it."""
+    text = None
+    with contextlib.suppress(UnicodeDecodeError):
+        text = (block[3:] if first == 1 and block.startswith(BOM) else block).decode("utf-8")
+    if text is not None:
+        if "\r" in text:  # CRLF line ends
+            text = text.replace("\r\n", "\n")
+        if text.replace("\n", "").isprintable():  # (spaces are the only whitespace left)
+            lines = text.split("\n")
+            items = ([item for item in map(str.strip, lines) if item] if " " in text
+                     else list(filter(None, lines)))
+            if max(map(len, items), default=0) <= MAX_ID_LENGTH:
+                return items
+    return [item for n, raw in enumerate(block.split(b"\n"), first)
+            if (item := parse_line(raw, path=path, line=n)) is not None]
+
+
+def _cut(data: bytes) -> tuple[bytes | None, bytes]:
+    """``data`` cut after its last newline: its whole lines (``None``: none) and the rest."""
+    end = data.rfind(b"\n")
+    return (data[:end], data[end + 1:]) if end >= 0 else (None, data)
+
+
+def _raw_blocks(path: str) -> Iterator[bytes]:
+    """The whole lines of a file (``parse_block``'s blocks), about ``CHUNK`` bytes at a time:
+    bounded memory even for a file with no newline."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed below
     except IsADirectoryError:
@@ -75,12 +105,12 @@ def _raw_lines(path: str) -> Iterator[bytes]:
                 raise InputError(f"cannot read IDs file: {e.strerror}", path=path) from None
             if not chunk:
                 break
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
+            block, rest = _cut(rest + chunk)
+            if block is not None:
+                yield block
             if len(rest) > 4 * MAX_ID_LENGTH + 8:  # a monster line: fail fast, do not buffer it
-                lines.append(rest)
+                yield rest
                 rest = b""
-            yield from lines
         if rest:
             yield rest
 
@@ -93,10 +123,10 @@ def prescan_file(path: str) -> int:
         raise InputError("is a pipe, not a file: the IDs file is read more than once (the "
                          "command line copies a pipe's IDs first: --ids PATH or --ids -)",
                          path=path)
-    n = 0
-    for i, raw in enumerate(_raw_lines(path), 1):
-        if parse_line(raw, path=path, line=i) is not None:
-            n += 1
+    n = line = 0
+    for block in _raw_blocks(path):
+        n += len(parse_block(block, path=path, first=line + 1))
+        line += block.count(b"\n") + 1
     return n
 
 
@@ -177,15 +207,10 @@ async def _file_chunks(path: str, start: int = 0,
             chunk = await f.read(CHUNK)
             if not chunk:
                 break
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
+            block, rest = _cut(rest + chunk)
             offset += len(chunk)
-            items: list[str] = []
-            for raw in lines:
-                line += 1
-                item = parse_line(raw, path=path, line=line)
-                if item is not None:
-                    items.append(item)
+            items = [] if block is None else parse_block(block, path=path, first=line + 1)
+            line += 0 if block is None else block.count(b"\n") + 1
             mark = (offset - len(rest), line)  # just after the block's last complete line
             parts = [items[i:i + CHUNK_IDS] for i in range(0, len(items), CHUNK_IDS)] or [[]]
             for i, part in enumerate(parts):

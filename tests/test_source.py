@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from asyncrawl import InputError
 from asyncrawl.config import MAX_ID_LENGTH
-from asyncrawl.source import file_ids, iter_ids, prescan_file
+from asyncrawl.source import file_ids, iter_ids, parse_block, parse_line, prescan_file
 
 
 async def collect(it: AsyncIterator[str]) -> list[str]:
@@ -101,6 +101,37 @@ def test_roundtrip_any_ids(ids: list[str], bom: bool, eol: str, pad: str, blank_
         n, got = asyncio.run(both(path))
     assert got == ids
     assert n == len(ids)
+
+
+def _line_by_line(block: bytes, first: int) -> list[str] | tuple[int | None, str]:
+    out = []
+    for n, raw in enumerate(block.split(b"\n"), first):
+        try:
+            item = parse_line(raw, path="f", line=n)
+        except InputError as e:
+            return e.line, e.message
+        if item is not None:
+            out.append(item)
+    return out
+
+
+_pieces = st.sampled_from(["a", "id-7", " ", "\t", "\r", "\n", "\n", "\r\n", "\ufeff",
+                           "\x00", "\x85", "\u00a0", "\u3000", "\u2028", "ü", "x" * 600])
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(_pieces, max_size=40).map("".join), junk=st.sampled_from([b"", b"\xff"]),
+       bom=st.booleans(), first=st.sampled_from([1, 2, 57]))
+def test_a_block_parses_as_its_lines_do(text: str, junk: bytes, bom: bool, first: int) -> None:
+    """``parse_block``'s fast path gives what ``parse_line`` gives line by line: the same IDs,
+    or the same error on the same line."""
+    block = (b"\xef\xbb\xbf" if bom else b"") + text.encode() + junk
+    want = _line_by_line(block, first)
+    try:
+        got: list[str] | tuple[int | None, str] = parse_block(block, path="f", first=first)
+    except InputError as e:
+        got = (e.line, e.message)
+    assert got == want
 
 
 # -- invalid files -------------------------------------------------------------------------------
