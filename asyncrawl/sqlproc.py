@@ -10,7 +10,7 @@ it (bench/README.md, 2026-12-03, stop 34). So:
 * the event loop writes each batch down a pipe (``WriterProcess.send``, non-blocking; what the
   pipe cannot take yet waits for it to drain) and reads the answers when the pipe has some
   (``loop.add_reader``): two system calls a batch, and no other thread;
-* a child process (``python -m asyncrawl.sqlchild``, ``serve``) reads the batches as they come.
+* a child process (``sqlchild``, ``serve``) reads the batches as they come.
   The ``sent`` intents they hold, which a request waits for, and the run's ``run`` record,
   which its intents follow, it appends at once to ``intents.log`` with one synchronous write
   for all that one read brought (``IntentLog``), and answers ``logged``; then it applies the
@@ -59,6 +59,15 @@ LOGGED = frozenset({"sent", "run"})  # the kinds of record durable once in the i
 LOG, APPLY = "logged", "applied"  # the child's two answers: (what, number, error)
 _LEN = struct.Struct("<Q")
 Answer = tuple[str, int, "str | None"]
+PACKAGE = str(Path(__file__).resolve().parent)  # this copy of asyncrawl: the child runs it
+# The child's start: ``python -P`` (the working directory is not put on its path, where an
+# ``asyncrawl`` folder or a ``queue.py`` of the user's would be imported instead), then this
+# very copy of the package by its path, whatever else its path holds; ``sqlchild.main``'s
+# arguments follow the package's directory.
+BOOT = ("import sys, importlib.util as u; p = sys.argv.pop(1); "
+        "s = u.spec_from_file_location('asyncrawl', p + '/__init__.py', "
+        "submodule_search_locations=[p]); m = sys.modules['asyncrawl'] = u.module_from_spec(s); "
+        "s.loader.exec_module(m); import asyncrawl.sqlchild as c; c.run(sys.argv[1:])")
 
 
 def wire(rec: Record) -> tuple[Any, ...]:
@@ -204,7 +213,7 @@ class WriterProcess:
             fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results fits
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "asyncrawl.sqlchild", str(state_dir), str(to_child),
+                [sys.executable, "-P", "-c", BOOT, PACKAGE, str(state_dir), str(to_child),
                  str(from_child)], pass_fds=(to_child, from_child, lock_fd),
                 stdin=subprocess.DEVNULL)
         except OSError as e:

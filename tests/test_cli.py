@@ -252,6 +252,28 @@ def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
             "log_at_kill": log_at_kill}
 
 
+def test_the_writing_process_ignores_the_working_directory(tmp_path: Path,
+                                                          mock_process: Any) -> None:
+    """A run started in a directory that holds an ``asyncrawl`` folder and a ``queue.py`` of
+    the user's: the state's writing process runs the same asyncrawl as the run and the
+    standard library's modules, not those (it once imported them and died: exit 5)."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    cwd = tmp_path / "work"
+    (cwd / "asyncrawl").mkdir(parents=True)
+    (cwd / "asyncrawl" / "__init__.py").write_text("raise SystemExit('the wrong asyncrawl')\n")
+    (cwd / "queue.py").write_text("raise SystemExit('the wrong queue')\n")
+    ids = [f"w{i}" for i in range(30)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids))
+    # (-P: the run itself, like an installed ``asyncrawl`` command, does not look in its cwd)
+    r = subprocess.run([sys.executable, "-P", "-m", "asyncrawl", "run", "-c", str(cfg),
+                        "--no-progress"], capture_output=True, text=True, cwd=cwd,
+                       env={**os.environ, **ENV}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "wrong" not in r.stderr
+    assert durable_ok_ids(state) == set(ids)
+
+
 @pytest.mark.parametrize("threshold", [200, 1800])
 def test_kill_9_then_rerun_refetches_only_what_was_in_flight(
         tmp_path: Path, mock_process: Any, threshold: int) -> None:

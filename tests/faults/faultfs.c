@@ -9,7 +9,8 @@
  *   FAULTFS_ARM     optional: a path; the bytes are counted only once a file exists there (a
  *                   test creates it when it has seen what it wants committed before the fault)
  *   FAULTFS_ERRNO   the error (28 ENOSPC, 5 EIO)
- *   FAULTFS_REPORT  a file to which a line "tripped N after M" is appended at exit
+ *   FAULTFS_REPORT  a file to which a line "tripped N after M" is appended at exit (or _exit,
+ *                   which a process that has closed everything may end with: os._exit)
  * Once tripped, every later write/fsync of the file fails too (and is counted: a writer must not
  * try again). SQLite writes through pwrite64/pwrite/write and syncs with fdatasync/fsync.
  */
@@ -28,8 +29,9 @@ static long long after = -1, written;
 static int tripped, calls_after;
 
 static void report(void) {
+    static int reported;
     const char *path = getenv("FAULTFS_REPORT");
-    if (!path) return;
+    if (!path || reported++) return;
     FILE *f = fopen(path, "a");
     if (!f) return;
     fprintf(f, "tripped %d after %d\n", tripped, calls_after);
@@ -45,6 +47,14 @@ __attribute__((constructor)) static void init(void) {
     if (getenv("FAULTFS_AFTER")) after = atoll(getenv("FAULTFS_AFTER"));
     err = getenv("FAULTFS_ERRNO") ? atoi(getenv("FAULTFS_ERRNO")) : EIO;
     atexit(report);
+}
+
+void _exit(int status) {
+    static void (*real)(int);
+    if (!real) real = dlsym(RTLD_NEXT, "_exit");
+    report();
+    real(status);
+    __builtin_unreachable();
 }
 
 static int ours(int fd) {
