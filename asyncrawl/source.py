@@ -209,8 +209,10 @@ async def _file_chunks(path: str, start: int = 0,
                 break
             block, rest = _cut(rest + chunk)
             offset += len(chunk)
-            items = [] if block is None else parse_block(block, path=path, first=line + 1)
-            line += 0 if block is None else block.count(b"\n") + 1
+            items: list[str] = []
+            if block is not None:
+                items = parse_block(block, path=path, first=line + 1)
+                line += block.count(b"\n") + 1
             mark = (offset - len(rest), line)  # just after the block's last complete line
             parts = [items[i:i + CHUNK_IDS] for i in range(0, len(items), CHUNK_IDS)] or [[]]
             for i, part in enumerate(parts):
