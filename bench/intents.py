@@ -4,11 +4,17 @@ Runs ``asyncrawl run`` in this process (asyncio's loop, a fresh state, durabilit
 on) against the bundled mock API in a process of its own, with ``--latency`` seconds added to
 every answer and the rate out of the way, and times, by wrapping the functions in place:
 
-* ``intent``: from a worker's ``Writer.commit(sent)`` to its future being resolved: the time
-  a request waits before it may leave;
-* ``queue wait``: from that call until the writer's thread starts the transaction holding it;
-* the store's transactions, by what they hold (intents only, ``ok`` results only, both), with
-  their wall time, the writer thread's CPU in them, and records per transaction;
+* ``intent``: from a worker's ``commit(sent)`` (``writer.ProcessWriter``, the SQLite store's,
+  or ``writer.Writer``) to its future being resolved: the time a request waits before it may
+  leave;
+* ``queue wait``: from that call until its batch goes down the pipe to the writing process
+  (``sqlproc.WriterProcess.send``), or until the writer's thread starts the transaction
+  holding it (``Writer``);
+* ``round trip`` (the writing process): from a batch's send until the event loop reads the
+  child's ``logged`` answer for it (the intent log's write included);
+* ``Writer`` only (a store written in the run's own process): the store's transactions, by
+  what they hold (intents only, ``ok`` results only, both), with their wall time, the writer
+  thread's CPU in them, and records per transaction;
 * ``attempt``: the request itself (``Fetcher.attempt``), for scale;
 * how busy the event loop's thread was (its CPU time over the run's wall time): below ~100 %
   at the stack's limit, the rest is the loop waiting, for intents among other things.
@@ -55,7 +61,7 @@ def main() -> int:
     from latency import write_job
 
     import asyncrawl.cli
-    from asyncrawl import fetch, sqlstore, writer
+    from asyncrawl import fetch, sqlproc, sqlstore, writer
     from asyncrawl.testing import MockProcess
 
     intent: list[float] = []
@@ -64,14 +70,39 @@ def main() -> int:
     attempts: list[float] = []
     commits: list[tuple[str, float, float, int]] = []  # (what, wall, thread CPU, records)
 
-    commit = writer.Writer.commit
+    trips: list[float] = []
+    sent_at: dict[int, float] = {}  # batch number -> when it went down the pipe
 
-    def timed_commit(self: Any, rec: Any) -> Any:
-        fut = commit(self, rec)
+    def timed(commit: Any) -> Any:
+        def timed_commit(self: Any, rec: Any) -> Any:
+            fut = commit(self, rec)
+            t = time.perf_counter()
+            queued[id(rec)] = t
+            fut.add_done_callback(lambda _f: intent.append(time.perf_counter() - t))
+            return fut
+        return timed_commit
+
+    send = sqlproc.WriterProcess.send
+
+    def timed_send(self: Any, records: Any) -> int:
         t = time.perf_counter()
-        queued[id(rec)] = t
-        fut.add_done_callback(lambda _f: intent.append(time.perf_counter() - t))
-        return fut
+        records = list(records)
+        for rec in records:
+            born = queued.pop(id(rec), None)
+            if born is not None:
+                waits.append(t - born)
+        seq = send(self, records)
+        sent_at[seq] = t
+        return seq
+
+    answer = writer.ProcessWriter._answer
+
+    def timed_answer(self: Any, got: Any) -> None:
+        if got is not None and got[0] == sqlproc.LOG:
+            t = time.perf_counter()
+            for seq in [s for s in sent_at if s <= got[1]]:
+                trips.append(t - sent_at.pop(seq))
+        answer(self, got)
 
     store_commit = sqlstore.SqliteStore.commit
 
@@ -96,7 +127,10 @@ def main() -> int:
         finally:
             attempts.append(time.perf_counter() - t)
 
-    writer.Writer.commit = timed_commit  # type: ignore[method-assign]
+    writer.Writer.commit = timed(writer.Writer.commit)  # type: ignore[method-assign]
+    writer.ProcessWriter.commit = timed(writer.ProcessWriter.commit)  # type: ignore[method-assign]
+    writer.ProcessWriter._answer = timed_answer  # type: ignore[method-assign]
+    sqlproc.WriterProcess.send = timed_send  # type: ignore[method-assign]
     sqlstore.SqliteStore.commit = timed_store_commit  # type: ignore[method-assign]
     fetch.Fetcher.attempt = timed_attempt  # type: ignore[method-assign]
 
@@ -123,8 +157,12 @@ def main() -> int:
           f"{args.concurrency}: {args.ids / elapsed:,.0f} req/s ({elapsed:.1f} s); the event "
           f"loop's thread busy {loop_cpu / elapsed:.0%} ({loop_cpu / args.ids * 1e6:.0f} us CPU a request)")
     for name, xs in (("intent (request waits)", intent), ("  of it: queue wait", waits),
-                     ("attempt (the request)", attempts)):
+                     ("batch round trip", trips), ("attempt (the request)", attempts)):
+        if not xs:
+            continue
         print(f"{name:<24} p50 {pct(xs, 0.5):7.2f} ms  p90 {pct(xs, 0.9):7.2f} ms")
+    if not commits:  # (the writing process's store: its transactions are not in this process)
+        return 0
     busy = sum(c[1] for c in commits)
     print(f"transactions: {len(commits):,}, writer busy in them {busy:.1f} s "
           f"({busy / elapsed:.0%} of the run)")

@@ -29,7 +29,9 @@ How to read the result
 is the same for ``library``. 1.0 means asyncrawl costs nothing over a bare aiohttp loop; 0.8 means
 it reaches 80 % of its throughput. The two differ mainly by the garbage collector: the CLI raises
 the young-generation threshold for its process (``asyncrawl.cli.tune_gc``), the library leaves
-that to the application. The ratio is the figure to
+that to the application. Each ratio is also given per round (a kind's run over the baseline's
+run of the same round: median and range), which a change of the VM's speed between rounds
+disturbs less than the ratio of medians. The ratio is the figure to
 compare across machines; absolute req/s depend on the CPU. The client is CPU-bound (the machine
 this was written on has 2 cores), so the report also gives each worker's CPU time and CPU per
 request ("cpu us/req"): the library's overhead shows up there directly. "nginx cpu" is the nginx
@@ -600,6 +602,13 @@ def driver_main(args: argparse.Namespace) -> int:
     def ratio_of(kind: str) -> float | None:
         return medians[kind] / medians["baseline"] if {kind, "baseline"} <= medians.keys() else None
 
+    def paired(kind: str) -> list[float]:
+        """``kind``'s req/s over the baseline's in the same round, for each round: the VM's
+        slow and fast phases last minutes, so a round's two runs share one far more often than
+        the medians of all rounds do."""
+        base = {r.round: r.rps for r in runs if r.kind == "baseline"}
+        return [r.rps / base[r.round] for r in runs if r.kind == kind and r.round in base]
+
     ratio, library_ratio = ratio_of("cli"), ratio_of("library")
     nginx_max = max(r.nginx_cpu_share for r in runs)
     warnings = []
@@ -624,8 +633,10 @@ def driver_main(args: argparse.Namespace) -> int:
     for kind, value, label in rows:
         if value is not None:
             cpu_ratio = cpu_medians[kind] / cpu_medians["baseline"]
+            pairs = paired(kind)
             print(f"{label} = median({kind}) / median(baseline) = {value:.3f}   "
-                  f"(CPU per request {cpu_ratio:.2f}x)", file=out)
+                  f"(CPU per request {cpu_ratio:.2f}x; per round: median "
+                  f"{statistics.median(pairs):.3f}, {min(pairs):.3f}-{max(pairs):.3f})", file=out)
     if ratio is None and library_ratio is None:
         print("ratio = n/a (asyncrawl side not run)", file=out)
     intent_cost = None
@@ -656,6 +667,7 @@ def driver_main(args: argparse.Namespace) -> int:
                     "median_cpu_us_per_req": cpu_medians,
                     "ratio": ratio,
                     "library_ratio": library_ratio,
+                    "paired_ratios": {k: paired(k) for k in kinds if k != "baseline"},
                     "intent_cost": intent_cost,
                     "nginx_max_cpu_share": nginx_max,
                     "warnings": warnings,
