@@ -643,8 +643,8 @@ def test_the_stdin_copy_of_a_killed_run_is_removed_by_the_next(tmp_path: Path,
     held = os.open(alive, os.O_RDONLY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)  # held, as a live run holds its copy
-        r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", env=env,
-                stdin=ids.read_text())
+        r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", "--concurrency", "40",
+                env=env, stdin=ids.read_text())  # (the rest in ~1 s, not ~10)
         assert r.returncode == 0, r.stderr
         assert sorted(p.name for p in spools.iterdir()) == sorted([alive.name, fifo.name])
     finally:
