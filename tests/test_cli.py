@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from asyncrawl.lockfile import lock_holder
 from asyncrawl.testing import LogEntry, demo_faults, flaky_faults, payload_for, read_log
 from asyncrawl.writer import Writer
 
@@ -246,6 +247,13 @@ def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    # The run's SQLite writing process outlives it: it applies what the pipe still held, then
+    # exits and frees the state directory's lock. The state is read once it is settled (read
+    # before, an ID answered and applied just after the kill looked sent and not in doubt).
+    deadline = time.monotonic() + 30
+    while lock_holder(state) is not None:
+        assert time.monotonic() < deadline, "the writing process did not end after the kill"
+        time.sleep(0.01)
     durable = durable_ok_ids(state)
     log_at_kill = mock.settled_log(timeout=10)
     return {"mock": mock, "ids": ids, "state": state, "cfg": cfg, "durable": durable,
