@@ -433,6 +433,7 @@ class PgStore:
             try:
                 yield self._open(name)
             except psycopg.Error as e:
+                self._lost_with(name, e)
                 raise _storage_error(e, self.url, doing) from None
 
     def _reconnect(self, name: str) -> None:
@@ -451,6 +452,15 @@ class PgStore:
     def _lost(self, name: str) -> bool:
         """The connection was lost (closed by the server, or not made again yet)."""
         return self._conns[name].broken or name in self._stale
+
+    def _lost_with(self, name: str, e: Exception) -> bool:
+        """Whether connection ``name`` was lost, ``e`` the error it gave. psycopg does not
+        always mark a connection broken when the server has closed it (a statement sent down
+        a socket the server closed after ``IDLE_IN_TRANSACTION``: "connection socket
+        closed"): an error that says so marks it to be made again before its next use."""
+        if _connection_gone(e):
+            self._stale.add(name)
+        return self._lost(name)
 
     # -- the shared job: runs, merges, claims, heartbeats --------------------------------------
 
@@ -878,7 +888,7 @@ class PgStore:
                         committing = True  # (the block's end sends COMMIT)
                     return result
                 except psycopg.Error as e:
-                    error, lost = e, self._lost(name)
+                    error, lost = e, self._lost_with(name, e)
             # (the lock given back: another thread's heartbeat need not wait for the answer)
             took = self._took_effect(xid) if lost and committing else False
             if took:
@@ -1107,13 +1117,23 @@ def _connect(url: str, name: str, run: bool) -> Any:
     return db
 
 
+def _went_away(e: Exception) -> bool:
+    """Whether a psycopg error says the server is unreachable or went away."""
+    state = getattr(e, "sqlstate", None)  # None: no answer; 08…: connection; 57P…: shutdown
+    return isinstance(e, _psycopg().OperationalError) and (
+        state is None or state[:2] == "08" or state[:3] == "57P")
+
+
+def _connection_gone(e: Exception) -> bool:
+    """Whether a psycopg error says its connection cannot be used again: the server went
+    away, or ended the session (25P03: a transaction left idle past ``IDLE_IN_TRANSACTION``)."""
+    return _went_away(e) or getattr(e, "sqlstate", None) == "25P03"
+
+
 def _storage_error(e: Exception, url: str, doing: str) -> StorageError:
     """A psycopg error in an operator's words."""
-    psycopg = _psycopg()
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    state = getattr(e, "sqlstate", None)  # None: no answer; 08…: connection; 57P…: shutdown
-    if isinstance(e, psycopg.OperationalError) and (state is None or state[:2] == "08"
-                                                     or state[:3] == "57P"):
+    if _went_away(e):
         return StorageError(f"cannot {doing}: the PostgreSQL server is unreachable or went away "
                             f"({text}); nothing committed is lost, rerun to resume",
                             path=safe_url(url))

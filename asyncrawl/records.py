@@ -13,6 +13,8 @@ A run writes records; a store keeps them and answers from them. Kinds:
 ``mark``       how far into its IDs file the run has got: every ID before ``extra["frontier"]``
                (byte offset, line, unique IDs and duplicates so far) is settled or sent
 ``end``        a run ended (``extra``: the IDs whose request was cut off in flight)
+``sync``       nothing: committed (and waited for) to know that every record queued before it
+               is durable; the stores ignore it
 =============  ==================================================================================
 
 An ID's *state* is that of its latest outcome record (``failed`` with ``permanent`` is

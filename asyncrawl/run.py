@@ -44,7 +44,7 @@ from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
-from .records import SETTLED, Record
+from .records import SETTLED, Commit, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
@@ -267,6 +267,12 @@ class Run:
         await _wait_first(self.stop.event, timeout=cfg.cooldown)
         self.cooling = False
         if self.stop.is_set():
+            return False
+        # A shared job's pass 2 claims the job's failures from the database: this run's own
+        # pass-1 failures must be there first (with no cool-down, the last of them could still
+        # be on their way, and the pass found nothing to do).
+        if second is not None and (await writer.commit(Record("sync")) is not Commit.DURABLE
+                                   or self.stop.is_set()):
             return False
         self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
         ids = second() if second is not None else self._second_pass_ids(failed, writer)

@@ -421,7 +421,8 @@ def _answer(entries: list[_Entry], result: Commit) -> None:
 _Entry = tuple[Record, "asyncio.Future[Commit] | None"]
 AnyWriter = Writer | ProcessWriter
 _NONE: frozenset[str] = frozenset()
-_BARRIERS = frozenset({"run", "mark", "halt", "end"})  # records about everything before them
+# records about everything before them (``sync``: only that it is durable)
+_BARRIERS = frozenset({"run", "mark", "halt", "end", "sync"})
 
 
 def _hold_back(batch: list[_Entry]) -> tuple[list[_Entry], list[_Entry]]:

@@ -106,6 +106,31 @@ async def test_library_crawl_into_a_job_and_a_rerun_adds_only_new_ids(job: str) 
     assert {item: orjson.loads(raw) for item, raw in payloads} == ok
 
 
+async def test_pass_2_of_a_shared_job_waits_for_pass_1_s_failures_to_be_written(
+        job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pass 2 of a shared job claims the job's failures from the database, at once with no
+    cool-down: this run's own must be written by then. (With the writer's commits of failures
+    slowed down, pass 2 found nothing to do, and a 404 stayed failed instead of confirmed
+    unavailable; it happened by itself on a loaded machine.)"""
+    from asyncrawl import Crawler, pgstore
+
+    commit = pgstore.PgStore.commit
+
+    def slow(self: Any, records: Any) -> Any:  # (in the writer's thread)
+        if any(r.kind == "failed" for r in records):
+            time.sleep(0.5)
+        return commit(self, records)
+
+    monkeypatch.setattr(pgstore.PgStore, "commit", slow)
+    async with MockAPI(api_key=KEY, faults={"n404": Fault("not_found")}) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job)
+        assert cfg.cooldown == 0
+        async with Crawler(cfg) as c:
+            s = await c.run([f"a{i}" for i in range(20)] + ["n404"])
+    assert (s.ok, s.unavailable, s.failed, s.halt) == (20, 1, 0, None)
+    assert outcomes(job)["n404"] == "unavailable"
+
+
 def _run(config: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(config),
                              "--no-progress", *extra], stdout=subprocess.PIPE,
