@@ -116,6 +116,9 @@ class Run:
             return
         name = signal_mod.Signals(signum).name if signum else reason
         self.stop.set(Halt(reason, None, f"stopped by {name}", signum))
+        if signum:  # the operator hears at once that it was heard, and what happens next
+            log.warning("%s: stopping; no new requests, those in flight get up to %gs to finish "
+                        "(a second signal cuts that short)", name, self.config.grace)
 
     def _key_retired(self, lane: int, attempt: Attempt, left: int) -> None:
         """The API key of ``lane`` was refused (401/402): log it and alert, unless it was the
