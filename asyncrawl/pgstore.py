@@ -457,8 +457,10 @@ class PgStore:
         """Whether connection ``name`` was lost, ``e`` the error it gave. psycopg does not
         always mark a connection broken when the server has closed it (a statement sent down
         a socket the server closed after ``IDLE_IN_TRANSACTION``: "connection socket
-        closed"): an error that says so marks it to be made again before its next use."""
-        if _connection_gone(e):
+        closed"): an error that says so (the server went away, or ended the session: 25P03, a
+        transaction left idle past ``IDLE_IN_TRANSACTION``) marks it to be made again before
+        its next use."""
+        if _went_away(e) or getattr(e, "sqlstate", None) == "25P03":
             self._stale.add(name)
         return self._lost(name)
 
@@ -1122,12 +1124,6 @@ def _went_away(e: Exception) -> bool:
     state = getattr(e, "sqlstate", None)  # None: no answer; 08…: connection; 57P…: shutdown
     return isinstance(e, _psycopg().OperationalError) and (
         state is None or state[:2] == "08" or state[:3] == "57P")
-
-
-def _connection_gone(e: Exception) -> bool:
-    """Whether a psycopg error says its connection cannot be used again: the server went
-    away, or ended the session (25P03: a transaction left idle past ``IDLE_IN_TRANSACTION``)."""
-    return _went_away(e) or getattr(e, "sqlstate", None) == "25P03"
 
 
 def _storage_error(e: Exception, url: str, doing: str) -> StorageError:

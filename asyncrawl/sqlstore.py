@@ -12,8 +12,8 @@ Durability: WAL with ``synchronous = FULL``: a committed transaction survives a 
 power loss. A run's writes go through one process of their own (``sqlproc``: the run's writer,
 ``writer.ProcessWriter``, hands it the batches from the event loop; it makes the ``sent``
 intents durable in ``intents.log`` first); each of its group commits is one transaction, so one
-fsync of the WAL, and records the number of its last batch ('applied' in ``meta``). Readers (``status``,
-``export``, the run's own lookups) read consistent snapshots while it writes.
+fsync of the WAL, and records the number of its last batch ('applied' in ``meta``). Readers
+(``status``, ``export``, the run's own lookups) read consistent snapshots while it writes.
 
 Tables (``records.py`` says what each record means)::
 
