@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,28 @@ def output_error(e: OSError, path: Path | str) -> AsyncrawlError:
         return ConfigError(f"cannot write the export there: {e.strerror}", key="--output",
                            path=path)
     return StorageError(f"cannot write the export: {e.strerror}", path=path)
+
+
+def temp_beside(target: Path) -> tuple[int, str]:
+    """A new file next to ``target`` for an export to be written to and renamed over it (open
+    for writing: its descriptor and path): with ``target``'s permissions if it exists, else a
+    new file's (0666 less the umask, as a shell's ``>`` makes it), not ``mkstemp``'s 0600.
+    ``output_error`` if it cannot be made."""
+    try:
+        mode = os.stat(target).st_mode & 0o7777
+    except OSError:
+        mode = None
+    while True:
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise output_error(e, target) from None
+        if mode is not None:
+            os.fchmod(fd, mode)
+        return fd, str(tmp)
 
 
 class JournalCorrupt(StorageError):

@@ -2,7 +2,8 @@
 extra), for pandas, Polars and DuckDB.
 
 Columns: ``id``, then each top-level field of the payloads (or the ``--fields``, dotted paths
-allowed: a column named ``author.name``). A column whose values are all of one JSON scalar type
+allowed: a column named ``author.name``; a payload's own ``id`` field is ``data.id``, ``id``
+being the ID crawled). A column whose values are all of one JSON scalar type
 gets that type (booleans; integers as int64; numbers as float64 when any is fractional;
 strings); an object, an array, or values of mixed types are written as JSON text. Missing
 values are nulls. For ``failed`` / ``unavailable``: ``id``, ``status``, ``error``.
@@ -15,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from .errors import StorageError, output_error, require_extra
+from .errors import StorageError, require_extra, temp_beside
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
@@ -92,11 +92,8 @@ def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
             return float(v)
         return v
 
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-    except OSError as e:
-        raise output_error(e, path) from None
+    fd, tmp = temp_beside(path)
+    os.close(fd)
     n = 0
     try:
         with pq.ParquetWriter(tmp, schema) as writer:

@@ -11,7 +11,6 @@ import contextlib
 import csv
 import itertools
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, TextIO
 import orjson
 
 from .config import Config, endpoint_of, is_url
-from .errors import ConfigError, StorageError, output_error
+from .errors import ConfigError, StorageError, temp_beside
 from .live import read_live
 from .progress import halt_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
@@ -254,10 +253,7 @@ def _write_ids(blocks: Iterator[list[str]], out: TextIO) -> int:
 def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:
     """``write`` to a temp file next to ``target``, fsync it, rename it over the target:
     readers of the target see the old file or the complete new one, never a partial export."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as e:
-        raise output_error(e, target) from None
+    fd, tmp = temp_beside(target)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f, _synced_meanwhile(fd):
             n = write(f)
@@ -308,6 +304,8 @@ def _get(row: dict[str, Any], name: str) -> Any:
     parts = name.split(".")
     if parts[0] == "data" and len(parts) > 1:
         parts = parts[1:]
+        if parts[0] == "id":  # the payload's own ``id`` (``_row``), not the crawled one
+            parts[0] = PAYLOAD_ID
     value: Any = row
     for part in parts:
         if not isinstance(value, dict) or part not in value:
@@ -359,18 +357,29 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
     return n
 
 
+PAYLOAD_ID = "data.id"  # the column of a payload's own ``id`` field: ``id`` is the crawled ID
+
+
 def _row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
-    """One exported record as CSV sees it: for ok, ``id`` and the payload's top-level fields."""
-    if outcome == "ok":
-        data = rec["data"]
-        return {"id": rec["id"], **(data if isinstance(data, dict) else {"data": data})}
-    return rec
+    """One exported record as CSV and Parquet see it: for ok, ``id`` (the ID crawled) and the
+    payload's top-level fields, its own ``id`` field (an API's numeric key, say) as ``data.id``:
+    it must not take the crawled ID's place."""
+    if outcome != "ok":
+        return rec
+    data = rec["data"]
+    if not isinstance(data, dict):
+        return {"id": rec["id"], "data": data}
+    if "id" not in data:
+        return {"id": rec["id"], **data}
+    return {"id": rec["id"], **{PAYLOAD_ID if k == "id" else k: v for k, v in data.items()}}
 
 
 def _cell(v: Any) -> str:
+    """A CSV cell: JSON's spelling for what is not a string or a number (``true``, ``false``,
+    objects and arrays as JSON text), empty for a missing value or a null."""
     if v is None or v is _MISSING:
         return ""
-    if isinstance(v, dict | list):
+    if isinstance(v, dict | list | bool):
         return orjson.dumps(v).decode()
     return str(v)
 

@@ -5,6 +5,7 @@ Everything talks to real servers over loopback; nothing mocks aiohttp.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from typing import Any
 import pytest
 
 from asyncrawl import Config
+from asyncrawl.records import Record
+from asyncrawl.store import open_store
 from asyncrawl.testing import MockAPI, MockProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +108,23 @@ def _toml(v: Any) -> str:
 
 
 # -- reading a state directory as a user would: the SQLite database and its ``results`` view ----
+
+
+def settled_state(state: Path, records: list[Record]) -> Path:
+    """A state directory holding ``records``, written by the store as a run writes them (for
+    ``status`` and ``export``, which need no crawl): after the ``run`` record of a job."""
+    job = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
+
+    async def go() -> None:
+        store = await open_store(state)
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": job})])
+            store.commit(records)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    return state
 
 
 def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:

@@ -190,12 +190,12 @@ def test_normal_run_export_formats_and_status(tmp_path: Path, mock_process: Any)
     assert [p.name for p in out.parent.iterdir()] == ["ok.jsonl"]  # no temp file left behind
 
     rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv"))))
-    assert rows[0] == ["id", "title", "value"]
+    assert rows[0] == ["id", "data.id", "title", "value"]  # the payload's own id: data.id
     assert len(rows) == 1 + len(fetchable)
     by_id = {row[0]: row for row in rows[1:]}
     assert set(by_id) == set(fetchable)
     p = payload_for(fetchable[0])
-    assert by_id[fetchable[0]] == [p["id"], p["title"], str(p["value"])]
+    assert by_id[fetchable[0]] == [fetchable[0], p["id"], p["title"], str(p["value"])]
     rows = list(csv.reader(io.StringIO(export(cfg, "--format", "csv", "--fields", "value,id"))))
     assert rows[0] == ["value", "id"] and len(rows) == 1 + len(fetchable)
     assert [str(p["value"]), p["id"]] in rows

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,11 @@ import pytest
 from asyncrawl import Config, ConfigError
 from asyncrawl.records import Record
 from asyncrawl.report import export
-from asyncrawl.store import open_store
+
+from .conftest import settled_state
 
 pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
 
-JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
 PAYLOADS = {
     "a": {"title": "Ünïcode ☃", "n": 1, "score": 0.5, "ok": True,
           "author": {"name": "Ann"}, "tags": ["x", "y"], "mixed": 1},
@@ -25,21 +24,9 @@ PAYLOADS = {
 
 
 def _state(tmp_path: Path) -> Path:
-    state = tmp_path / "state"
-
-    async def go() -> None:
-        store = await open_store(state)
-        try:
-            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": JOB})])
-            store.commit([Record("ok", k, status=200, data=v, paid=1, tries=1)
-                          for k, v in PAYLOADS.items()]
-                         + [Record("unavailable", "gone", status=404, error="HTTP 404",
-                                   permanent=True, pass_no=2)])
-        finally:
-            await store.close()
-
-    asyncio.run(go())
-    return state
+    return settled_state(tmp_path / "state", [
+        *(Record("ok", k, status=200, data=v, paid=1, tries=1) for k, v in PAYLOADS.items()),
+        Record("unavailable", "gone", status=404, error="HTTP 404", permanent=True, pass_no=2)])
 
 
 def test_parquet_export_types_columns_and_reads_back(tmp_path: Path) -> None:

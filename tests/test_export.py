@@ -1,0 +1,86 @@
+"""``export``'s rows for CSV and Parquet, from a real state: the ID crawled is the ``id``
+column whatever the payloads hold, and cells are spelt as JSON spells them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from asyncrawl import Config
+from asyncrawl.records import Record
+from asyncrawl.report import export
+
+from .conftest import settled_state
+
+# an API that keys its objects by numbers of its own, fetched by slug
+PAYLOADS = {
+    "slug-a": {"id": 7, "title": "x", "draft": False, "tags": ["a"]},
+    "slug-b": {"id": 8, "title": "y", "draft": True, "tags": []},
+    "slug-c": {"title": "z"},  # no id of its own
+}
+
+
+def _state(tmp_path: Path) -> Config:
+    state = settled_state(tmp_path / "state", [Record("ok", k, status=200, data=v, paid=1,
+                                                      tries=1) for k, v in PAYLOADS.items()])
+    return Config(url="http://unused/{id}", state_dir=str(state))
+
+
+def _csv(cfg: Config, fields: list[str] | None = None) -> list[list[str]]:
+    out = io.StringIO()
+    export(cfg, fmt="csv", fields=fields, out=out)
+    return list(csv.reader(io.StringIO(out.getvalue())))
+
+
+def test_csv_keeps_the_crawled_id_and_the_payload_s_own_id_beside_it(tmp_path: Path) -> None:
+    cfg = _state(tmp_path)
+    rows = _csv(cfg)
+    assert rows[0] == ["id", "data.id", "title", "draft", "tags"]
+    by_id = {r[0]: r for r in rows[1:]}
+    assert sorted(by_id) == sorted(PAYLOADS)  # (the payload's 7 and 8 took their place before)
+    assert by_id["slug-a"] == ["slug-a", "7", "x", "false", '["a"]']  # JSON's spelling
+    assert by_id["slug-b"][1:4] == ["8", "y", "true"]
+    rows = _csv(cfg, ["data.id", "title"])
+    assert rows[0] == ["id", "data.id", "title"]
+    assert sorted(rows[1:]) == [["slug-a", "7", "x"], ["slug-b", "8", "y"], ["slug-c", "", "z"]]
+
+
+def test_parquet_keeps_the_crawled_id_and_the_payload_s_own_id_beside_it(
+        tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    cfg = _state(tmp_path)
+    out = tmp_path / "notes.parquet"
+    assert export(cfg, fmt="parquet", path=str(out)) == 3
+    table = pq.read_table(out)
+    assert table.column_names[:2] == ["id", "data.id"]
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert sorted(rows) == sorted(PAYLOADS)
+    assert rows["slug-a"]["data.id"] == 7 and rows["slug-c"]["data.id"] is None
+    assert rows["slug-b"]["draft"] is True
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "parquet"])
+def test_an_export_file_has_a_new_file_s_mode_or_keeps_the_one_it_replaces(
+        tmp_path: Path, fmt: str) -> None:
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    cfg = _state(tmp_path)
+    umask = os.umask(0o027)  # (a umask of this test's own: what a new file gets is known)
+    try:
+        new = tmp_path / f"new.{fmt}"
+        assert export(cfg, fmt=fmt, path=str(new)) == 3
+        assert stat.S_IMODE(new.stat().st_mode) == 0o640  # 0666 less the umask, as with >
+        kept = tmp_path / f"kept.{fmt}"
+        kept.write_text("old")
+        kept.chmod(0o644)
+        assert export(cfg, fmt=fmt, path=str(kept)) == 3
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o644  # (mkstemp's 0600 before)
+    finally:
+        os.umask(umask)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["state", f"new.{fmt}", f"kept.{fmt}"])  # no temp file left
