@@ -104,6 +104,8 @@ class Meter:
         total = self.total
         if g.pass_no == 2:  # pass 2 counts its own IDs: "[pass 2] 12/90", not 5,254/5,100
             done, total = done - self.pass2[0], self.pass2[1]
+        elif total is not None:  # the list's lines, less the duplicates found so far: its IDs
+            total = max(done, total - t.duplicates)
         return Progress(
             pass_no=g.pass_no, total=total, done=done, ok=t.ok, failed=t.failed,
             unavailable=t.unavailable, skipped=t.skipped, retries=t.retries + g.retries,

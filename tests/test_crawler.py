@@ -486,6 +486,21 @@ async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
     assert all(p.done <= (p.total or 0) for p in seen)
 
 
+async def test_progress_total_counts_ids_not_duplicate_lines(state: Path) -> None:
+    ids = [f"d{i}" for i in range(20)]
+    seen: list[Progress] = []
+    async with MockAPI(api_key=KEY, faults={}) as api:
+        cfg = fast_config(api, state, second_pass=False)
+        # 30 lines, 20 IDs: the bar ends at 20/20, not 20/30 (it stopped at 67 %)
+        async with Crawler(cfg, on_progress=seen.append, progress_every=0.02,
+                           total=30) as crawler:
+            summary = await crawler.run(ids + ids[:10])
+        final = crawler.progress()
+    assert summary.duplicates == 10 and summary.ok == 20
+    assert (final.done, final.total) == (20, 20)
+    assert all(p.done <= (p.total or 0) for p in seen)
+
+
 async def test_refused_connections_after_answers_are_an_outage_not_a_config_error(
         state: Path) -> None:
     server = TestServer(await _formats_app())
