@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ids", type=int, default=5000, metavar="N", help="how many IDs (5000)")
     demo.add_argument("--rate", type=float, default=2500.0, help="requests per second (2500)")
     demo.add_argument("--concurrency", type=int, default=32, help="workers (32)")
-    demo.add_argument("--state", metavar="DIR", help="state directory (default: a new temp dir)")
+    demo.add_argument("--state", metavar="DIR", help="state directory (default: a new temp dir); "
+                      "run again with the same one, the demo resumes")
     demo.add_argument("--no-progress", action="store_true", help="no progress view or lines")
     return p
 
@@ -598,7 +599,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> Summary:
         async with MockAPI(faults=demo_faults, api_key=api_key, quota=DEMO_QUOTA) as api:
+            # (reuse_state: a demo run again on its --state resumes it, though its mock API
+            # listens on another port than the last one, which makes its URL another job's)
             config = Config(url=api.item_url, ids=str(ids_file), state_dir=state,
+                            reuse_state=args.state is not None,
                             headers={"X-Api-Key": api_key}, rate=args.rate,
                             burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,
                             # the defaults a user gets, on a demo's clock: backoff 0.2 s .. 2 s
@@ -609,9 +613,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
             summary, errors = await _run(config, ids_path=str(ids_file), total=total,
                                          progress=not args.no_progress)
             paid = len(api.paid())
+            # what a provider that bills every 2xx bills: the answers whose JSON did not parse
+            # too (asyncrawl counts them billable), though only the others carry a payload
+            billed = sum(1 for e in api.log if e.event == "end" and 200 <= (e.status or 0) < 300)
         print(summary_text(summary, total=total, errors=errors))
-        print(f"  mock API   {len(api.log) // 2:,} requests seen, {paid:,} paid answers "
-              f"(= ok fetched: {'yes' if paid == summary.fetched else 'NO'})")
+        def same(a: int, b: int) -> str:
+            return "yes" if a == b else "NO"
+
+        print(f"  mock API   {len(api.log) // 2:,} requests seen, {billed:,} answered 2xx "
+              f"(= billable: {same(billed, summary.billable)}),\n             {paid:,} of them "
+              f"with a payload (= ok fetched: {same(paid, summary.fetched)})")
         db = Path(state) / "state.db"
         print(f"  state file {db} (SQLite; its results view: one row per settled ID)")
         print(f"\ntry: asyncrawl status --state {state}\n     "

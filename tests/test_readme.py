@@ -265,6 +265,11 @@ def test_quick_start(tmp_path: Path) -> None:
     r = cli("demo", "--ids", "250", "--no-progress", "--state", str(tmp_path / "demo"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "asyncrawl: finished" in r.stdout and "(= ok fetched: yes)" in r.stdout
+    assert "(= billable: yes)" in r.stdout  # the bad-JSON 2xx answers billed on both sides
+    # again on its state: it resumes (its mock API listens on another port: the same job)
+    r = cli("demo", "--ids", "250", "--no-progress", "--state", str(tmp_path / "demo"), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "mock API   0 requests seen" in r.stdout, r.stdout
 
 
 # -- tables that must match the code -----------------------------------------------------------
