@@ -133,8 +133,9 @@ class Config:
             _check_shapes(self)
         set_(self, "headers", _frozen_map(self.headers))
         set_(self, "params", _frozen_map(self.params))
-        for name in ("retryable", "skip", "fatal"):
-            set_(self, name, frozenset(getattr(self, name)))
+        for name in ("retryable", "skip", "fatal"):  # (404.0 is 404: TOML floats are numbers)
+            set_(self, name, frozenset(int(v) if isinstance(v, float) else v
+                                       for v in getattr(self, name)))
         set_(self, "success_values", tuple(self.success_values))
         set_(self, "secret_names", tuple(self.secret_names))
         set_(self, "keys", tuple(self.keys))
@@ -501,6 +502,11 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _is_status(v: Any) -> bool:
+    """An HTTP status code (100-599), written as a TOML integer or a whole float."""
+    return _is_num(v) and v == int(v) and 100 <= v <= 599
+
+
 def _check_shapes(c: Config) -> None:
     """The fields ``__post_init__`` converts, checked before it does: a wrong type is a
     ``ConfigError`` naming the key, not a ``TypeError`` from ``dict()`` or ``frozenset()``."""
@@ -518,7 +524,7 @@ def _check_shapes(c: Config) -> None:
         raise bad("secret_names", "must be a list of header or query parameter names")
     for name in ("retryable", "skip", "fatal"):
         for code in getattr(c, name):
-            if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
+            if not _is_status(code):
                 raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
     if not isinstance(c.method, str):
         raise bad("method", f"must be a string, got {type(c.method).__name__}")
@@ -583,7 +589,7 @@ def _check_types(c: Config) -> None:
                     raise bad(name, "a key contains a line break or NUL")
         elif name in ("retryable", "skip", "fatal"):
             for code in v:
-                if not isinstance(code, int) or isinstance(code, bool) or not 100 <= code <= 599:
+                if not _is_status(code):
                     raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
 
 
@@ -641,9 +647,22 @@ def _check_values(c: Config) -> None:
     _check_keys(c)
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:
-        raise bad("retryable", f"status {sorted(overlap)[0]} is in more than one of retryable, skip, fatal")
+        raise _overlap(c, min(overlap))
     in_body = (c.body is not None and "{id}" in c.body) or _has_id(c.json)
     validate_url_template(c.url, c.params, in_body=in_body)
+
+
+def _overlap(c: Config, code: int) -> ConfigError:
+    """The error of a status in two classes, naming the list that was set (not one left at
+    its default, which the user may not know holds it)."""
+    defaults = {"retryable": DEFAULT_RETRYABLE, "skip": DEFAULT_SKIP, "fatal": DEFAULT_FATAL}
+    lists = [n for n in defaults if code in getattr(c, n)]
+    name = next((n for n in lists if getattr(c, n) != defaults[n]), lists[0])
+    other = next(n for n in lists if n != name)
+    key = FIELD_KEYS.get(other, other)
+    where = (f"{key} too, by default ({', '.join(map(str, sorted(defaults[other])))}): set "
+             f"{key} without it" if getattr(c, other) == defaults[other] else f"{key} too")
+    return _bad(name, f"status {code} is in {where}; a status belongs to one class")
 
 
 def _check_keys(c: Config) -> None:

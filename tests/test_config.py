@@ -158,6 +158,24 @@ def test_whole_float_accepted_for_int(tmp_path: Path) -> None:
     assert cfg.concurrency == 8 and type(cfg.concurrency) is int
     assert cfg.burst == 3 and type(cfg.burst) is int
     assert cfg.max_tries == 2 and type(cfg.max_tries) is int
+    cfg = load(tmp_path, "[retry]\nskip = [400.0, 404, 410]\n")  # a status is a number too
+    assert cfg.skip == {400, 404, 410} and all(type(c) is int for c in cfg.skip)
+
+
+@pytest.mark.parametrize(("body", "key", "told"), [
+    # one list set, clashing with another's default: the one set is named, and the default
+    ("[retry]\nfatal = [401, 402, 407, 410]\n", "retry.fatal",
+     "status 410 is in retry.skip too, by default (400, 404, 410): set retry.skip without it"),
+    ("[retry]\nretryable = [429, 503, 404]\n", "retry.retryable", "retry.skip too, by default"),
+    ("[retry]\nskip = [400, 404, 503]\n", "retry.skip", "retry.retryable too, by default"),
+    # both set
+    ("[retry]\nskip = [404]\nfatal = [401, 404]\n", "retry.", "status 404 is in retry."),
+])
+def test_a_status_in_two_classes_names_the_list_that_was_set(
+        tmp_path: Path, body: str, key: str, told: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load(tmp_path, body)
+    assert e.value.key.startswith(key) and told in str(e.value), str(e.value)
 
 
 # -- errors name the key -------------------------------------------------------------------------
