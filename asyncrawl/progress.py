@@ -80,6 +80,8 @@ def result_kind(status: int | None, error: str | None) -> str:
     if error and error.startswith("HTTP "):
         return error.split(":", 1)[0]  # "HTTP 404", "HTTP 200, body code 402"
     head = (error or "unknown error").split(": ", 1)[0]
+    if head.count("(") > head.count(")") and " (" in head:  # the ": " was inside a cause in
+        head = head[:head.rindex(" (")]  # parentheses ("the proxy h:p (OSError: ...)"): before it
     return f"HTTP {status} ({head})" if status is not None else head
 
 

@@ -218,6 +218,10 @@ def test_error_kinds_repeat_across_ids_and_are_not_counted_twice() -> None:
     assert result_kind(302, "redirect not followed: Location https://elsewhere/x") == \
         "HTTP 302 (redirect not followed)"
     assert result_kind(402, "HTTP 200, body code 402") == "HTTP 200, body code 402"
+    # a cause in parentheses holds the first ": " (it was cut there, its bracket left open)
+    assert result_kind(None, "cannot connect to the proxy 127.0.0.1:9 (ConnectionRefusedError: "
+                       "[Errno 111] Connect call failed ('127.0.0.1', 9))") == \
+        "cannot connect to the proxy 127.0.0.1:9"
     t = ErrorTally()
     t.answer(503)
     t.answer(503)
