@@ -15,7 +15,11 @@ each figure is given as a share of it. The timed section is the crawl (for ``cli
 byte-compiled first and what ``run`` imports is imported before the clock starts), alternating
 kinds for ``--rounds`` rounds; the median is quoted. Beside it, the rate between the first
 request the mock saw and its last answer (from the mock's log): the crawl's pace without its
-start and end.
+start and end. And a request's cycle in that stretch (``concurrency`` over that rate) cut in two
+from the same log: the mock's own time (its handler's start to its end: the latency, and its
+timer's lateness) and the rest, the client's side (the answer's way back and its handling, the
+next request's start and its way to the handler: what the client's loop adds, plus the
+transport both ways).
 
 Usage::
 
@@ -99,7 +103,7 @@ def main() -> int:
         return 0
     from throughput import compile_package
 
-    from asyncrawl.testing import MockProcess, read_log
+    from asyncrawl.testing import MockProcess, read_log, requests_by_id
 
     compile_package()
     kinds = ["baseline", "cli"]
@@ -113,6 +117,7 @@ def main() -> int:
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
     body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer
+    client: dict[str, list[float]] = {k: [] for k in kinds}  # ms of a cycle outside the mock
     with tempfile.TemporaryDirectory(prefix="latency-") as tmp, \
             MockProcess(Path(tmp) / "mock.log", "--no-auth", "--faults", "none", "--latency",
                         str(args.latency)) as api:
@@ -136,16 +141,23 @@ def main() -> int:
                 span = (max(e.t for e in log if e.event == "end")
                         - min(e.t for e in log if e.event == "start"))
                 body[kind].append(args.ids / span)
+                served = [end - start for reqs in requests_by_id(log).values()
+                          for start, end, _ in reqs if end is not None]
+                cycle = args.concurrency * span / args.ids * 1000
+                server = statistics.mean(served) * 1000
+                client[kind].append(cycle - server)
                 print(f"  round {rnd} {kind:<11} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal; "
-                      f"first request to last answer {args.ids / span:7.0f} req/s",
-                      file=sys.stderr)
+                      f"first request to last answer {args.ids / span:7.0f} req/s; a cycle "
+                      f"{cycle:.2f} ms: the mock {server:.2f}, the client's side "
+                      f"{cycle - server:.2f}", file=sys.stderr)
                 (Path(tmp) / "mock.log").write_text("")  # the log is not what is measured
     print(f"{args.ids} IDs, latency {args.latency * 1000:g} ms, concurrency {args.concurrency}: "
           f"ideal {ideal:,.0f} req/s")
     for kind in kinds:
         med = statistics.median(got[kind])
         print(f"median {kind:<11} {med:7.0f} req/s   {med / ideal:.1%} of ideal; first request "
-              f"to last answer {statistics.median(body[kind]):7.0f} req/s")
+              f"to last answer {statistics.median(body[kind]):7.0f} req/s; the client's side "
+              f"of a cycle {statistics.median(client[kind]):.2f} ms")
     return 0
 
 
