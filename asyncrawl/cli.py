@@ -584,6 +584,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
     ids_file = Path(state) / "demo-ids.txt"
+    # A demo's state again (its IDs file is there): it resumes, though its mock API listens on
+    # another port than the last time, which makes its URL another job's. A directory that
+    # holds anything else is not the demo's to write into (a real job's state, say).
+    again = ids_file.is_file()
+    if not again and Path(state).is_dir() and any(Path(state).iterdir()):
+        raise ConfigError(f"{state} is not empty and holds no demo's state: give the demo a "
+                          "directory of its own", key="--state")
     Path(state).mkdir(parents=True, exist_ok=True)
     with ids_file.open("w") as f:
         for i in range(args.ids):
@@ -599,10 +606,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> Summary:
         async with MockAPI(faults=demo_faults, api_key=api_key, quota=DEMO_QUOTA) as api:
-            # (reuse_state: a demo run again on its --state resumes it, though its mock API
-            # listens on another port than the last one, which makes its URL another job's)
             config = Config(url=api.item_url, ids=str(ids_file), state_dir=state,
-                            reuse_state=args.state is not None,
+                            reuse_state=again,
                             headers={"X-Api-Key": api_key}, rate=args.rate,
                             burst=max(1, int(args.rate / 10)), concurrency=args.concurrency,
                             # the defaults a user gets, on a demo's clock: backoff 0.2 s .. 2 s

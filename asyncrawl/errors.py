@@ -104,7 +104,7 @@ def temp_beside(target: Path) -> tuple[int, str]:
     new file's (0666 less the umask, as a shell's ``>`` makes it), not ``mkstemp``'s 0600.
     ``output_error`` if it cannot be made."""
     try:
-        mode = os.stat(target).st_mode & 0o7777
+        mode = os.stat(target).st_mode & 0o777
     except OSError:
         mode = None
     while True:

@@ -270,6 +270,12 @@ def test_quick_start(tmp_path: Path) -> None:
     r = cli("demo", "--ids", "250", "--no-progress", "--state", str(tmp_path / "demo"), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "mock API   0 requests seen" in r.stdout, r.stdout
+    # but it never writes into a directory that holds anything else (a real job's state)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "state.db").write_bytes(b"")
+    r = cli("demo", "--ids", "5", "--no-progress", "--state", str(tmp_path / "real"))
+    assert r.returncode == 2 and "--state" in r.stderr, r.stderr
+    assert [p.name for p in (tmp_path / "real").iterdir()] == ["state.db"]
 
 
 # -- tables that must match the code -----------------------------------------------------------
