@@ -962,6 +962,15 @@ class PgStore:
             elif kind == "end":
                 self._end_run(rec, sent, outcomes)
                 sent, outcomes = [], []
+            elif kind == "unsent":  # an intent whose request did not leave: taken back
+                self._flush(sent, outcomes)  # (after its intent, before a later one)
+                sent, outcomes = [], []
+                if db.execute("UPDATE asyncrawl_items SET sends = sends - 1, sent_run = NULL "
+                              "WHERE job = %s AND id = %s AND sent_run = %s AND sends > 0",
+                              (self.job_name, rec.id, self._run)).rowcount:
+                    ledger[(day, self._endpoint, "sent")] -= 1
+                    if rec.key is not None:
+                        keys[(day, rec.key, "sent")] -= 1
             if rec.paid:
                 ledger[(day, self._endpoint, "billable")] += rec.paid
                 for key, n in rec.paid_keys().items():

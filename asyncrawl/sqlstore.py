@@ -557,6 +557,10 @@ class SqliteStore:
                 self._flush(groups)
                 groups = _Groups(day[1])
                 self._start_run(rec)
+            elif kind == "unsent":  # (after its intent, before a later one: in order)
+                self._flush(groups)
+                groups = _Groups(day[1])
+                self._unsend(rec)
             else:
                 groups.last.append(rec)
             if rec.paid:
@@ -654,6 +658,20 @@ class SqliteStore:
             self._db.execute("DELETE FROM meta WHERE key = 'frontier'")
         self._db.execute("INSERT OR REPLACE INTO meta VALUES ('source', ?)",
                          (orjson.dumps(source if self._frontier_ok else "mixed").decode(),))
+
+    def _unsend(self, rec: Record) -> None:
+        """An intent of this run whose request did not leave: its call is taken back (the
+        item's ``sends``, the ledgers' ``sent`` of the intent's day), and it is no longer
+        open."""
+        db = self._db
+        if db.execute("UPDATE items SET sends = sends - 1, sent_run = NULL WHERE id = ? AND "
+                      "sent_run = ? AND sends > 0", (rec.id, self._run)).rowcount:
+            day = utc_day(rec.ts)
+            db.execute("UPDATE ledger SET sent = sent - 1 WHERE day = ? AND endpoint = ? AND "
+                       "sent > 0", (day, self._endpoint))
+            if rec.key is not None:
+                db.execute("UPDATE key_ledger SET sent = sent - 1 WHERE day = ? AND key = ? "
+                           "AND sent > 0", (day, rec.key))
 
     def _end_run(self, rec: Record) -> None:
         db = self._db

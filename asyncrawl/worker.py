@@ -15,7 +15,9 @@ What an attempt leads to is a value, ``decide(...) -> Verdict``, which the loop 
 To SETTLE is to queue the ID's outcome record for the writer and note it in the pass's
 ``Ledger``; it counts only once the writer reports it durable. Before each request its ``sent``
 intent is committed; a shared job's store may refuse it (another process holds the ID now:
-this one stalled past its lease), and then the ID is left to that process, not sent.
+this one stalled past its lease), and then the ID is left to that process, not sent. An
+intent committed for a request that then does not leave (the job stopped, or the key was
+refused, meanwhile) is taken back (``unsent``): the state counts the calls that left.
 
 The worker talks only to what is below it: the queue, the governor, the fetcher, the writer,
 and the two plain objects its owner reads (``Ledger``, ``Stop``).
@@ -303,9 +305,18 @@ class Worker:
             # known to be in doubt (possibly billed). Group-committed with other records.
             lane = ticket.lane
             sent = Record.sent(item.id, self.fingerprints[lane])
-            if stopped() or (commit := await self.sink.commit(sent)) is Commit.FAILED \
-                    or stopped():
+            if stopped():
+                budget.release(False)
+                return
+            try:
+                commit = await self.sink.commit(sent)
+            except asyncio.CancelledError:  # (the pass ends: its request does not leave)
+                self.sink.put(sent.unsent())
+                raise
+            if commit is Commit.FAILED or stopped():
                 budget.release(False)  # no await between the last check and the send
+                if commit is Commit.DURABLE:  # (the stop came while it was being committed)
+                    self.sink.put(sent.unsent())
                 return
             if commit is Commit.REFUSED:  # another process of the job holds the ID now
                 budget.release(False)
@@ -315,11 +326,11 @@ class Worker:
                 continue
             if gov.lanes[lane].retired:
                 # its key was refused while the intent was being committed: not sent with
-                # it; the ID goes again with another key (this intent stays unanswered, like
-                # one whose request a stop cut short before it left)
+                # it; the ID goes again with another key
                 budget.release(False)
                 gov.unused(ticket)
                 del held[id(item)]
+                self.sink.put(sent.unsent())
                 self.parking.park(item, 0.0)
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)

@@ -417,6 +417,10 @@ def test_402_halts_keeps_what_was_paid_and_status_shows_it(tmp_path: Path, mock_
     assert s["ok"] == 100
     assert s["halt"] is not None and s["halt"]["status"] == 402 and s["halt"]["message"]
     assert s["billable"] == 100
+    # the calls the state counts are those the server saw: an intent committed while the
+    # 402 came, whose request then did not leave, is not one (108 against 103-105 before)
+    assert s["requests_sent"] == sum(starts(log).values()), (s, sum(starts(log).values()))
+    assert s["in_doubt"] == 0
 
 
 def test_401_halts_with_at_most_concurrency_requests(tmp_path: Path, mock_process: Any) -> None:
@@ -430,7 +434,9 @@ def test_401_halts_with_at_most_concurrency_requests(tmp_path: Path, mock_proces
     log = read_log(mock.log_path)
     assert 1 <= sum(starts(log).values()) <= 6
     assert answers(log) == collections.Counter()
-    assert status_json(cfg)["halt"]["status"] == 401
+    s = status_json(cfg)
+    assert s["halt"]["status"] == 401
+    assert s["requests_sent"] == sum(starts(log).values()), s
 
 
 def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -> None:

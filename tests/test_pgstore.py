@@ -378,6 +378,11 @@ def test_a_402_seen_by_one_process_halts_all_within_a_second(
     assert alerts.read_text().split() == ["fatal"]  # sent once, by the process that met it
     ok = pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'", job)
     assert ok[0][0] == 400  # every paid answer kept
+    # the calls counted are those that left (an intent whose request the halt kept back is
+    # taken back), and both processes ended cleanly: nothing in doubt
+    s = orjson.loads(cli("status", "--state", PG, "--job", job, "--json").stdout)
+    assert s["requests_sent"] == sum(1 for e in entries if e.event == "start"), s
+    assert s["in_doubt"] == 0
 
 
 def test_status_and_export_of_a_job_that_does_not_exist_say_so(job: str) -> None:
