@@ -1,7 +1,8 @@
 """Tell someone when a job halts: the ``[alerts] on_halt`` command and the ``webhook`` POST.
 
 Both get the same facts (reason, status, message, counts, state directory), never a secret: the
-message is redacted, and the command's environment is the caller's own plus ``ASYNCRAWL_*``.
+message is redacted, and the command's environment is the caller's own, less the variables that
+hold a secret of the job (the API key, ``PGPASSWORD``), plus ``ASYNCRAWL_*``.
 An alert that fails is logged; it never changes the run's outcome.
 """
 
@@ -19,6 +20,7 @@ from .types import Halt, Summary
 
 log = logging.getLogger("asyncrawl")
 ALERT_TIMEOUT = 30.0
+LIBPQ_SECRETS = frozenset({"PGPASSWORD"})  # a PostgreSQL state's password, read by libpq
 
 
 def alert_facts(config: Config, halt: Halt, summary: Summary) -> dict[str, Any]:
@@ -38,8 +40,10 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
                       session: aiohttp.ClientSession) -> None:
     facts = alert_facts(config, halt, summary)
     if config.on_halt:
-        # the caller's environment minus variables holding a secret (e.g. the API key)
-        env = {k: v for k, v in os.environ.items() if v not in config.secrets}
+        # the caller's environment minus variables holding a secret (e.g. the API key), and
+        # the database's password that libpq takes from the environment itself
+        env = {k: v for k, v in os.environ.items()
+               if v not in config.secrets and k not in LIBPQ_SECRETS}
         env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
         try:
             proc = await asyncio.create_subprocess_shell(

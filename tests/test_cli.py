@@ -446,8 +446,10 @@ def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -
         cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
                            write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(100)]),
                            alerts={"on_halt": f"env > '{env_file}'", "webhook": hook_url})
-        r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+        r = cli("run", "-c", str(cfg), "--no-progress",
+                env={**ENV, "PGPASSWORD": "pg-secret-9c1"})  # (libpq's, never the config's)
         assert r.returncode == 3, r.stderr
+    assert "pg-secret-9c1" not in env_file.read_text()
     env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
     assert env["ASYNCRAWL_REASON"] == "fatal"
     assert env["ASYNCRAWL_STATUS"] == "402"

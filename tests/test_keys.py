@@ -111,7 +111,7 @@ async def test_a_refused_key_is_retired_and_the_others_finish_the_job(
     base = await keyed(api)
     cfg = config(base, tmp_path, keys=[GOOD1, BAD, GOOD2], webhook=base + "/alert")
     ids = [f"n{i}" for i in range(300)]
-    async with Crawler(cfg) as c:
+    async with Crawler(cfg, total=len(ids)) as c:
         s = await c.run(ids)
     assert s.halt is None and s.ok == len(ids) and s.failed == 0 and s.exit_code == 0
     used = Counter(key for _, key in api.log)
@@ -128,6 +128,7 @@ async def test_a_refused_key_is_retired_and_the_others_finish_the_job(
     assert alert["reason"] == "key_retired" and alert["status"] == 401
     assert key_fingerprint(BAD) in alert["message"] and BAD not in json.dumps(alert)
     assert "2 of 3 keys left" in alert["message"]
+    assert 0 < alert["pending"] <= len(ids)  # (it said 0, with the list still to fetch)
     # the ledger counts calls per key by fingerprint, and they add up
     st = status(cfg)
     by_key = {row["key"]: row for row in st["keys"]}
