@@ -336,12 +336,15 @@ class Fetcher:
             else:
                 req = self.request_for(item_id)
                 method, url, headers, body = req.method, req.url, req.headers, req.json
+                if not isinstance(url, URL):  # (a str: a redirect joins onto it as a URL)
+                    url = URL(url)
                 if cfg.keys:  # the hook builds the request; the key is the lane's
-                    url, headers = with_key(cfg, cfg.keys[lane], URL(url), headers)
+                    url, headers = with_key(cfg, cfg.keys[lane], url, headers)
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
                     method, url, headers=headers, json=body, data=data, allow_redirects=False,
                     timeout=self.timeout, ssl=self._ssl, proxy=self._proxy,
+                    raise_for_status=False,  # (an application's session may say otherwise)
                 ) as resp:
                     status = resp.status
                     if status in REDIRECTS and "Location" in resp.headers:

@@ -464,6 +464,27 @@ async def test_same_origin_redirect_is_followed(server: Server, session: aiohttp
     assert all(h[1].get("X-Api-Key") == KEY for h in server.hits)
 
 
+async def test_a_hook_s_url_as_a_string_follows_a_redirect(
+        server: Server, session: aiohttp.ClientSession) -> None:
+    from asyncrawl.fetch import Request
+
+    url = redirect_url(server, "/r/ok").replace("{id}", "x")
+    fetcher = Fetcher(session, config(server.base + "/items/{id}"),
+                      request_for=lambda item: Request("GET", url, dict(HEADERS)))  # a str
+    a = await fetcher.attempt("x")  # (TypeError from URL.join before)
+    assert a.outcome is Outcome.OK and a.data == {"hello": "wörld", "n": [1, 2]}
+
+
+async def test_an_application_s_session_that_raises_for_status_changes_no_class(
+        server: Server) -> None:
+    """A session made with ``raise_for_status=True`` raised on 402 and 404 inside aiohttp,
+    which made them network errors: a 402 did not halt, a 404 was retried."""
+    async with aiohttp.ClientSession(raise_for_status=True) as raising:
+        for code, outcome in ((402, Outcome.FATAL), (404, Outcome.SKIP), (503, Outcome.RETRY)):
+            a = await attempt(raising, server.base + "/status/{id}", str(code))
+            assert (a.outcome, a.status) == (outcome, code), a
+
+
 async def test_absolute_same_origin_redirect_is_followed(server: Server,
                                                          session: aiohttp.ClientSession) -> None:
     a = await attempt(session, redirect_url(server, server.base + "/items/there"), "x")
