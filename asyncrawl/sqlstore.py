@@ -270,8 +270,33 @@ class SqliteStore:
 
     @classmethod
     async def open(cls, state_dir: str | os.PathLike[str]) -> SqliteStore:
-        """Create or open the store: lock it, import an old journal, close a crashed run."""
-        return await _off_loop(cls._open_sync, Path(state_dir))
+        """Create or open the store: lock it, import an old journal, close a crashed run.
+
+        Cancelled meanwhile, it waits for the thread that opens it (which cannot be stopped:
+        a few ms) and closes what that opened, then lets the cancellation through: the lock
+        and the writing process are not left behind, where every later run of the process
+        would find the state locked by the process itself."""
+        import asyncio
+
+        opening = asyncio.ensure_future(_off_loop(cls._open_sync, Path(state_dir)))
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            store = None
+            while True:
+                try:
+                    store = await asyncio.shield(opening)
+                    break
+                except asyncio.CancelledError:
+                    continue  # (cancelled again: the thread still has to be waited for)
+                except Exception:  # (it did not open: nothing is held)
+                    break
+            if store is not None:
+                closing = asyncio.ensure_future(store.close())
+                while not closing.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(closing)
+            raise
 
     @classmethod
     def _open_sync(cls, d: Path) -> SqliteStore:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import io
 import json
 from pathlib import Path
@@ -248,6 +249,24 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
         paid = api.paid()
     assert len(paid) == len(set(paid)) == len(ids)  # nothing paid for twice
     assert len(paid_before) >= first
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 5, 20])
+async def test_a_run_cancelled_while_it_opens_its_state_leaves_nothing_locked(
+        state: Path, turns: int) -> None:
+    """Cancelled within its first turns of the loop, while a thread opens the store (the
+    lock, the database, the writing process): the next run of the same process found the
+    state locked by the process itself, for ever (0 to 3 ms after the start, before)."""
+    async with MockAPI(api_key=KEY) as api:
+        cfg = fast_config(api, state)
+        task = asyncio.create_task(Crawler(cfg).run(["a", "b", "c"]))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        s = await Crawler(cfg).run(["a", "b", "c"])  # (LockedError naming this pid, before)
+    assert s.ok == 3 and s.exit_code == 0
 
 
 async def test_a_second_cancellation_cuts_the_grace_short_and_leaves_nothing_running(
