@@ -48,8 +48,12 @@ class Crawler:
         on_halt: called with the ``Halt`` and ``Summary`` when a run halts early.
         on_attempt: called with ``(id, status, error)`` for every attempt as it comes back
             (``error`` is None for a good one): every try counts, not only recorded IDs. It
-            observes only; it never changes what happens.
+            observes only; it never changes what happens (what it raises is logged).
         total: the number of IDs, if known (for the ETA).
+
+    What the ID source, ``request_for`` or ``classify`` raises stops the job as a halt does
+    (no new request; those in flight get the grace period and their answers are kept), then
+    ``run`` raises it.
     """
 
     def __init__(

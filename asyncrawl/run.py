@@ -434,7 +434,13 @@ class Run:
         died = asyncio.Event()  # a task died: wake the pass so that the error surfaces
 
         def done(task: asyncio.Task[None]) -> None:
-            if not task.cancelled() and task.exception() is not None:
+            exc = None if task.cancelled() else task.exception()
+            if exc is not None:
+                # The job stops as on a halt (no new request; those in flight get the grace
+                # period and their answers are kept), then the error is raised: an ID
+                # source or a hook that raises must not cost the answers already paid for.
+                self.stop.set(Halt("error", None, cfg.redact(
+                    f"{type(exc).__name__}: {exc}"[:500])))
                 died.set()
 
         tasks = [asyncio.create_task(self._produce(ids, queue, ledger),
@@ -521,7 +527,10 @@ class Run:
         else answered, the same errors are an outage, for the breaker, and the same answers
         are about their IDs."""
         if self.hooks.on_attempt is not None:
-            self.hooks.on_attempt(item, attempt.status, attempt.error)
+            try:  # (it observes only: what it raises is logged, never the run's end)
+                self.hooks.on_attempt(item, attempt.status, attempt.error)
+            except Exception:
+                log.exception("on_attempt hook failed for ID %r", item)
         if self._answered:
             return
         status = attempt.status

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -249,6 +250,37 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
         paid = api.paid()
     assert len(paid) == len(set(paid)) == len(ids)  # nothing paid for twice
     assert len(paid_before) >= first
+
+
+async def test_an_id_source_that_raises_keeps_the_answers_in_flight(state: Path) -> None:
+    """The error is raised once the job has stopped as on a halt: the requests in flight get
+    the grace period and their paid answers are kept (they were cut off, in doubt, and a
+    rerun bought them again)."""
+    attempts: list[str] = []
+    async with MockAPI(api_key=KEY, latency=0.05) as api:
+        cfg = fast_config(api, state, concurrency=64)
+
+        async def ids() -> Any:
+            for i in range(1024):  # (a chunk: read again once most of it has been taken)
+                yield f"s{i}"
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(api.paid()) < 50:  # requests are out: 64 in flight, 50 ms each
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            raise RuntimeError("my ID source failed")
+
+        def seen(item: str, status: int | None, error: str | None) -> None:
+            attempts.append(item)
+            raise KeyError(item)  # an observer's bug: logged, and the crawl goes on
+
+        with pytest.raises(RuntimeError, match="my ID source failed"):
+            async with Crawler(cfg, on_attempt=seen) as crawler:
+                await crawler.run(ids())
+        paid = api.paid()
+    ok = {row[0] for row in db_rows(state, "SELECT id FROM results WHERE outcome = 'ok'")}
+    assert len(paid) >= 50 and set(paid) == ok  # every paid answer is recorded
+    assert len(attempts) == len(paid)  # (the raising observer ended nothing)
+    assert db_rows(state, "SELECT count(*) FROM items WHERE doubt IS NOT NULL") == [(0,)]
 
 
 @pytest.mark.parametrize("turns", [0, 1, 2, 5, 20])
