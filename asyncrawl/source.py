@@ -226,15 +226,19 @@ async def _file_chunks(path: str, start: int = 0,
 
 async def id_chunks(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[list[str]]:
     """IDs from a library caller's iterable or async iterable, each checked, a list at a time
-    (the IDs before a bad one are handed on before its ``InputError``)."""
+    (the IDs before a bad one are handed on before its ``InputError``). An async iterable
+    is read as it yields: what has come is handed on whenever it is waited for (up to
+    ``CHUNK_IDS`` at a time), so that a slow source (a queue fed over time) is crawled as
+    its IDs come, not once a whole list of them has."""
     n = 0
     chunk: list[str] = []
     try:
         if isinstance(ids, AsyncIterable):
-            async for item in ids:
-                n += 1
-                chunk.append(_check(item, n))
-                if len(chunk) >= CHUNK_IDS:
+            async with contextlib.aclosing(_as_they_come(ids)) as lists:
+                async for got in lists:
+                    for item in got:
+                        n += 1
+                        chunk.append(_check(item, n))
                     yield chunk
                     chunk = []
         else:
@@ -250,6 +254,52 @@ async def id_chunks(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[li
         raise
     if chunk:
         yield chunk
+
+
+async def _as_they_come(ids: AsyncIterable[str]) -> AsyncIterator[list[str]]:
+    """The items of ``ids``, in lists of what has come by the time the list is asked for
+    (at least one, at most ``CHUNK_IDS``): a task of its own reads ``ids`` ahead by up to
+    that many; what ``ids`` raises is raised after the items before it."""
+    import asyncio  # (here: ``status`` and ``export`` import this module, not asyncio)
+
+    buf: list[str] = []
+    came = asyncio.Event()  # buf has items, or the source has ended
+    room = asyncio.Event()  # buf has room
+    room.set()
+    end: list[BaseException | None] = []  # the source's end: None, or what it raised
+
+    async def read() -> None:
+        try:
+            async for item in ids:
+                buf.append(item)
+                came.set()
+                if len(buf) >= CHUNK_IDS:
+                    room.clear()
+                    await room.wait()
+            end.append(None)
+        except Exception as e:  # (handed on to the reader of the lists)
+            end.append(e)
+        came.set()
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            if not buf and not end:
+                came.clear()
+                await came.wait()
+            if buf:
+                got = buf[:]
+                buf.clear()
+                room.set()
+                yield got
+            elif end:
+                if end[0] is not None:
+                    raise end[0]
+                return
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
 
 
 def iter_ids(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[str]:

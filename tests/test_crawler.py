@@ -252,6 +252,23 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
     assert len(paid_before) >= first
 
 
+async def test_a_slow_async_id_source_is_crawled_as_its_ids_come(state: Path) -> None:
+    """IDs an async source has yielded are fetched while it waits for more (a queue fed over
+    time): they waited until 1,024 had come, or the source ended."""
+    async with MockAPI(api_key=KEY) as api:
+        async def ids() -> Any:
+            for i in range(10):
+                yield f"early{i}"
+            deadline = asyncio.get_running_loop().time() + 10
+            while len(api.paid()) < 10:  # (never, before: the ten waited for more)
+                assert asyncio.get_running_loop().time() < deadline, "the early IDs waited"
+                await asyncio.sleep(0.01)
+            yield "late"
+
+        s = await Crawler(fast_config(api, state)).run(ids())
+    assert s.ok == 11 and s.exit_code == 0
+
+
 async def test_an_id_source_that_raises_keeps_the_answers_in_flight(state: Path) -> None:
     """The error is raised once the job has stopped as on a halt: the requests in flight get
     the grace period and their paid answers are kept (they were cut off, in doubt, and a
