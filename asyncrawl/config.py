@@ -620,7 +620,9 @@ def _check_values(c: Config) -> None:
     if c.ca_bundle is not None:
         _check_ca_bundle(c.ca_bundle)
     if c.max_spend is not None and not c.price_per_call:
-        raise bad("max_spend", "needs [billing] price_per_call to be set")
+        raise bad("max_spend", "needs [billing] price_per_call to be set" if c.price_per_call
+                  is None else "needs a [billing] price_per_call above 0 (calls that cost "
+                  "nothing cannot spend a budget; use [limits] max_requests to cap them)")
     if c.response_format not in ("json", "text", "bytes"):
         raise bad("response_format", f"must be one of json, text, bytes; got {c.response_format!r}")
     if c.state_url is not None and not c.state_url.startswith(PG_SCHEMES):

@@ -205,6 +205,7 @@ def test_a_status_in_two_classes_names_the_list_that_was_set(
         ("[response]\nsuccess_values = 0\n", "response.success_values"),
         ("[passes]\nsecond_pass = \"yes\"\n", "passes.second_pass"),
         ("[billing]\nmax_spend = 50\n", "billing.max_spend"),
+        ("[billing]\nprice_per_call = 0\nmax_spend = 50\n", "billing.max_spend"),
         ("[billing]\nprice_per_call = -0.1\n", "billing.price_per_call"),
         ("[state]\nlease = 0.5\n", "state.lease"),  # shorter than a few heartbeats
         ("[request.headers]\nX-A = \"a\\nb\"\n", "request.headers"),
