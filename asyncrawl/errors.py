@@ -17,6 +17,7 @@ exactly one place, ``fetch.Fetcher._attempt``, so callers never see a backend's 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import os
@@ -116,7 +117,8 @@ def temp_beside(target: Path) -> tuple[int, str]:
         except OSError as e:
             raise output_error(e, target) from None
         if mode is not None:
-            os.fchmod(fd, mode)
+            with contextlib.suppress(OSError):  # (best effort, as cp: vfat, some CIFS mounts)
+                os.fchmod(fd, mode)
         return fd, str(tmp)
 
 

@@ -965,9 +965,10 @@ class PgStore:
             elif kind == "unsent":  # an intent whose request did not leave: taken back
                 self._flush(sent, outcomes)  # (after its intent, before a later one)
                 sent, outcomes = [], []
-                if db.execute("UPDATE asyncrawl_items SET sends = sends - 1, sent_run = NULL "
-                              "WHERE job = %s AND id = %s AND sent_run = %s AND sends > 0",
-                              (self.job_name, rec.id, self._run)).rowcount:
+                if db.execute("UPDATE asyncrawl_items SET sends = sends - 1, sent_run = "
+                              "CASE WHEN %s THEN sent_run END WHERE job = %s AND id = %s "
+                              "AND sent_run = %s AND sends > 0",
+                              (rec.permanent, self.job_name, rec.id, self._run)).rowcount:
                     ledger[(day, self._endpoint, "sent")] -= 1
                     if rec.key is not None:
                         keys[(day, rec.key, "sent")] -= 1

@@ -7,7 +7,8 @@ A run writes records; a store keeps them and answers from them. Kinds:
 ``sent``       a request for the ID is about to leave: durable *before* it does (exact in-doubt)
 ``unsent``     that intent's request did not leave after all (the run stopped, or its key was
                refused, while the intent was being committed): its call is taken back
-               (``ts`` and ``key``: the intent's)
+               (``ts`` and ``key``: the intent's; ``permanent``: an earlier request for the
+               ID left in this run, so its intent stays open)
 ``ok``         the ID's result (``raw``: the body as received, or ``data``)       } outcome
 ``failed``     the ID failed in this pass (``permanent``: a 4xx, not a give-up)   } records:
 ``unavailable`` the ID failed again in pass 2 (confirmed)                         } an ID's state
@@ -115,9 +116,11 @@ class Record(_RecordFields):
         return tuple.__new__(cls, ("sent", id, None, None, False, None, 1, 0, 0, time.time(),
                                    None, None, key))
 
-    def unsent(self) -> Record:
-        """The record that this ``sent`` intent's request did not leave (``unsent``)."""
-        return tuple.__new__(Record, ("unsent", self.id, None, None, False, None, 1, 0, 0,
+    def unsent(self, earlier: bool = False) -> Record:
+        """The record that this ``sent`` intent's request did not leave (``unsent``).
+        ``earlier``: another request for the ID left in this run, unanswered for the state
+        (a retry's earlier try): the ID's intent stays open (in doubt after a crash)."""
+        return tuple.__new__(Record, ("unsent", self.id, None, None, earlier, None, 1, 0, 0,
                                       self.ts, None, None, self.key))
 
     def paid_keys(self) -> dict[str, int]:

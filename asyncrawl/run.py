@@ -87,6 +87,7 @@ class Run:
         self.pass_no = 1
         self.cooling = False
         self.governor: Governor | None = None
+        self.hook_errors = 0  # what on_attempt raised
         self.cut_off: set[str] = set()  # requests cancelled in flight: possibly billed
         # IDs that come into a pass with a history: failed in an earlier run (their failures say
         # nothing about the upstream now), or already sold unusable answers (pass 2)
@@ -440,7 +441,7 @@ class Run:
                 # period and their answers are kept), then the error is raised: an ID
                 # source or a hook that raises must not cost the answers already paid for.
                 self.stop.set(Halt("error", None, cfg.redact(
-                    f"{type(exc).__name__}: {exc}"[:500])))
+                    f"{type(exc).__name__}: {exc}")[:500]))
                 died.set()
 
         tasks = [asyncio.create_task(self._produce(ids, queue, ledger),
@@ -530,7 +531,12 @@ class Run:
             try:  # (it observes only: what it raises is logged, never the run's end)
                 self.hooks.on_attempt(item, attempt.status, attempt.error)
             except Exception:
-                log.exception("on_attempt hook failed for ID %r", item)
+                self.hook_errors += 1
+                if self.hook_errors == 1:  # (once with its traceback: not one per request)
+                    log.exception("on_attempt hook failed for ID %r (later failures of it "
+                                  "are logged at debug level)", item)
+                else:
+                    log.debug("on_attempt hook failed for ID %r", item, exc_info=True)
         if self._answered:
             return
         status = attempt.status

@@ -277,9 +277,10 @@ async def _as_they_come(ids: AsyncIterable[str]) -> AsyncIterator[list[str]]:
                     room.clear()
                     await room.wait()
             end.append(None)
-        except Exception as e:  # (handed on to the reader of the lists)
+        except BaseException as e:  # (handed on to the reader of the lists)
             end.append(e)
-        came.set()
+        finally:
+            came.set()
 
     reader = asyncio.ensure_future(read())
     try:

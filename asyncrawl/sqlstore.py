@@ -278,12 +278,15 @@ class SqliteStore:
         would find the state locked by the process itself."""
         import asyncio
 
-        opening = asyncio.ensure_future(_off_loop(cls._open_sync, Path(state_dir)))
+        # (a future of the executor's, not a task: a loop's shutdown that cancels every task
+        # does not cancel it, and the thread cannot be stopped anyway)
+        opening = asyncio.get_running_loop().run_in_executor(None, cls._open_sync,
+                                                              Path(state_dir))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
             store = None
-            while True:
+            while not opening.cancelled():
                 try:
                     store = await asyncio.shield(opening)
                     break
@@ -292,10 +295,8 @@ class SqliteStore:
                 except Exception:  # (it did not open: nothing is held)
                     break
             if store is not None:
-                closing = asyncio.ensure_future(store.close())
-                while not closing.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(closing)
+                with contextlib.suppress(Exception):  # (the cancellation is what is raised)
+                    await asyncio.get_running_loop().run_in_executor(None, store.close_sync)
             raise
 
     @classmethod
@@ -687,10 +688,11 @@ class SqliteStore:
     def _unsend(self, rec: Record) -> None:
         """An intent of this run whose request did not leave: its call is taken back (the
         item's ``sends``, the ledgers' ``sent`` of the intent's day), and it is no longer
-        open."""
+        open, unless an earlier request for the ID left in this run (``permanent``)."""
         db = self._db
-        if db.execute("UPDATE items SET sends = sends - 1, sent_run = NULL WHERE id = ? AND "
-                      "sent_run = ? AND sends > 0", (rec.id, self._run)).rowcount:
+        if db.execute("UPDATE items SET sends = sends - 1, sent_run = iif(?, sent_run, NULL) "
+                      "WHERE id = ? AND sent_run = ? AND sends > 0",
+                      (rec.permanent, rec.id, self._run)).rowcount:
             day = utc_day(rec.ts)
             db.execute("UPDATE ledger SET sent = sent - 1 WHERE day = ? AND endpoint = ? AND "
                        "sent > 0", (day, self._endpoint))
@@ -834,20 +836,21 @@ class SqliteStore:
         return [item for item in ids if item not in known]
 
     async def close(self) -> None:
-        def close() -> None:
-            proc, self.process = self.process, None
-            if proc is not None:  # (it applies what it holds, empties the log and exits)
-                proc.close()
-            for db in (self._reader, self._db):
-                if db is not None:
-                    with contextlib.suppress(sqlite3.Error):
-                        db.close()
-            self._reader = None
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)  # releases the lock
-                self._lock_fd = -1
+        await _off_loop(self.close_sync)
 
-        await _off_loop(close)
+    def close_sync(self) -> None:
+        """``close``, blocking (in a thread)."""
+        proc, self.process = self.process, None
+        if proc is not None:  # (it applies what it holds, empties the log and exits)
+            proc.close()
+        for db in (self._reader, self._db):
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+        self._reader = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = -1
 
 
 def _import_journal(d: Path) -> None:

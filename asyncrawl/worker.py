@@ -311,12 +311,13 @@ class Worker:
             try:
                 commit = await self.sink.commit(sent)
             except asyncio.CancelledError:  # (the pass ends: its request does not leave)
-                self.sink.put(sent.unsent())
+                budget.release(False)
+                self.sink.put(sent.unsent(item.sent))
                 raise
             if commit is Commit.FAILED or stopped():
                 budget.release(False)  # no await between the last check and the send
                 if commit is Commit.DURABLE:  # (the stop came while it was being committed)
-                    self.sink.put(sent.unsent())
+                    self.sink.put(sent.unsent(item.sent))
                 return
             if commit is Commit.REFUSED:  # another process of the job holds the ID now
                 budget.release(False)
@@ -330,7 +331,7 @@ class Worker:
                 budget.release(False)
                 gov.unused(ticket)
                 del held[id(item)]
-                self.sink.put(sent.unsent())
+                self.sink.put(sent.unsent(item.sent))
                 self.parking.park(item, 0.0)
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)
@@ -391,18 +392,20 @@ class Worker:
 
     async def _send(self, item: Item, lane: int = 0, first: bool = True) -> Attempt:
         self.in_flight += 1
-        if not item.sent and not item.suspect:
+        if not item.sent:
             item.sent = True
-            self.ledger.sent_first(item)
+            if not item.suspect:
+                self.ledger.sent_first(item)
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1
-        # (never raises but CancelledError)
-        attempt = await self.fetcher.attempt(item.id, lane, first=first)
+        try:  # (raises CancelledError, or what a request_for or classify hook raised)
+            attempt = await self.fetcher.attempt(item.id, lane, first=first)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
         self.flying.discard(item.id)
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self.idle.set()
         return attempt
 
     def act(self, item: Item, attempt: Attempt, verdict: Verdict, lane: int = 0) -> None:

@@ -300,6 +300,26 @@ async def test_an_id_source_that_raises_keeps_the_answers_in_flight(state: Path)
     assert db_rows(state, "SELECT count(*) FROM items WHERE doubt IS NOT NULL") == [(0,)]
 
 
+async def test_a_request_hook_that_raises_ends_the_run_without_waiting_out_the_grace(
+        state: Path) -> None:
+    """Its worker's request was counted in flight for ever, so the run waited the whole
+    grace period for it before raising."""
+    from asyncrawl import Request
+
+    async with MockAPI(api_key=KEY) as api:
+        def build(item: str) -> Request:
+            if item == "bad":
+                raise LookupError("no route for it")
+            return Request("GET", api.item_url.replace("{id}", item), {"X-Api-Key": KEY})
+
+        cfg = fast_config(api, state, grace=60.0)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(LookupError):
+            await Crawler(cfg, request_for=build).run(["a", "bad", "b", "c"])
+    assert loop.time() - started < 30  # (60 s, the grace, before)
+
+
 @pytest.mark.parametrize("turns", [0, 1, 2, 5, 20])
 async def test_a_run_cancelled_while_it_opens_its_state_leaves_nothing_locked(
         state: Path, turns: int) -> None:
@@ -315,6 +335,16 @@ async def test_a_run_cancelled_while_it_opens_its_state_leaves_nothing_locked(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         s = await Crawler(cfg).run(["a", "b", "c"])  # (LockedError naming this pid, before)
+        # every task cancelled at once, as asyncio.run's end does: no task of its own to spin
+        task = asyncio.create_task(Crawler(cfg).run(["d"]))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        for t in asyncio.all_tasks() - {asyncio.current_task()}:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        s2 = await Crawler(cfg).run(["d"])
+    assert s2.exit_code == 0
     assert s.ok == 3 and s.exit_code == 0
 
 

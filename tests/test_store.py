@@ -462,6 +462,24 @@ async def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(tmp_path
     assert sends_of(state) == {"x": 2}
 
 
+async def test_an_intent_taken_back_keeps_an_earlier_request_of_its_id_in_doubt(
+        tmp_path: Path) -> None:
+    """``unsent``: the request of an intent did not leave, so its call is taken back; but
+    where an earlier request for the ID left in this run unanswered for the state (a retry's
+    earlier try, billed or cut off), the ID stays open, and in doubt after a crash."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    again, alone = Record.sent("x"), Record.sent("y")
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("x"), alone])
+    store.commit([again])  # x's second try: its intent is durable, then the job stops
+    store.commit([again.unsent(True), alone.unsent(False)])
+    _die(store)
+    await store.close()
+    snap = read_store(state).snapshot()
+    assert dict(read_store(state).in_doubt()) == {"x": False}  # (x's first try left)
+    assert snap.sent == 1 and sends_of(state) == {"x": 1}  # (y: none left)
+
+
 async def test_a_run_dedups_its_ids_in_the_database_and_counts_them(tmp_path: Path) -> None:
     state = tmp_path / "state"
     await committed(state, [RECORDS[0], RECORDS[1], RECORDS[2]])  # a ok, b failed
