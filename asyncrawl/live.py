@@ -86,13 +86,20 @@ class Meter:
         t0, r0 = samples[0]
         return (requests - r0) / (now - t0) if now - t0 > 0.2 else 0.0
 
-    def _eta(self, now: float, done: int) -> float | None:
+    def left(self) -> int | None:
+        """The list's IDs not settled yet (``None``: its length is not known)."""
+        t = self.tally
+        if self.total is None:
+            return None
+        return max(0, self.total - t.settled - t.skipped - t.duplicates)
+
+    def _eta(self, now: float) -> float | None:
         """Seconds left in pass 1 at the rate IDs were settled so far."""
         t = self.tally
         elapsed = now - self.started
-        if self.total is None or not t.settled or elapsed <= 1:
+        left = self.left()
+        if left is None or not t.settled or elapsed <= 1:
             return None
-        left = max(0, self.total - done - t.duplicates)
         return left / (t.settled / elapsed)
 
     def progress(self, g: Gauges) -> Progress:
@@ -100,7 +107,7 @@ class Meter:
         t = self.tally
         requests = t.requests + g.requests
         done = t.settled + t.skipped
-        eta = self._eta(now, done) if g.pass_no == 1 else None
+        eta = self._eta(now) if g.pass_no == 1 else None
         total = self.total
         if g.pass_no == 2:  # pass 2 counts its own IDs: "[pass 2] 12/90", not 5,254/5,100
             done, total = done - self.pass2[0], self.pass2[1]

@@ -134,11 +134,8 @@ class Run:
         if left and self._session is not None:
             halt = Halt("key_retired", attempt.status, message)
             t = self.tally
-            # (pending: what of the list is not settled yet, where its length is known)
-            total = self.meter.total
-            pending = 0 if total is None else max(
-                0, total - t.duplicates - t.skipped - t.ok - t.failed - t.unavailable)
-            summary = Summary(ok=t.ok, failed=t.failed, unavailable=t.unavailable, pending=pending,
+            summary = Summary(ok=t.ok, failed=t.failed, unavailable=t.unavailable,
+                              pending=self.meter.left() or 0,
                               fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                               retries=t.retries, requests=t.requests, billable=t.billable,
                               halt=None, elapsed=time.monotonic() - self.meter.started,

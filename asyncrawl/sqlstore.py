@@ -280,23 +280,17 @@ class SqliteStore:
 
         # (a future of the executor's, not a task: a loop's shutdown that cancels every task
         # does not cancel it, and the thread cannot be stopped anyway)
-        opening = asyncio.get_running_loop().run_in_executor(None, cls._open_sync,
-                                                              Path(state_dir))
+        loop = asyncio.get_running_loop()
+        opening = loop.run_in_executor(None, cls._open_sync, Path(state_dir))
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
-            store = None
-            while not opening.cancelled():
-                try:
-                    store = await asyncio.shield(opening)
-                    break
-                except asyncio.CancelledError:
-                    continue  # (cancelled again: the thread still has to be waited for)
-                except Exception:  # (it did not open: nothing is held)
-                    break
-            if store is not None:
+            while not opening.done():  # (cancelled again: still wait for the thread)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([opening])
+            if opening.exception() is None:  # (else it did not open: nothing is held)
                 with contextlib.suppress(Exception):  # (the cancellation is what is raised)
-                    await asyncio.get_running_loop().run_in_executor(None, store.close_sync)
+                    await loop.run_in_executor(None, opening.result().close_sync)
             raise
 
     @classmethod

@@ -311,13 +311,13 @@ class Worker:
             try:
                 commit = await self.sink.commit(sent)
             except asyncio.CancelledError:  # (the pass ends: its request does not leave)
-                budget.release(False)
-                self.sink.put(sent.unsent(item.sent))
+                self._withdraw(item, sent)
                 raise
-            if commit is Commit.FAILED or stopped():
-                budget.release(False)  # no await between the last check and the send
+            if commit is Commit.FAILED or stopped():  # (no await between this and the send)
                 if commit is Commit.DURABLE:  # (the stop came while it was being committed)
-                    self.sink.put(sent.unsent(item.sent))
+                    self._withdraw(item, sent)
+                else:
+                    budget.release(False)
                 return
             if commit is Commit.REFUSED:  # another process of the job holds the ID now
                 budget.release(False)
@@ -328,10 +328,9 @@ class Worker:
             if gov.lanes[lane].retired:
                 # its key was refused while the intent was being committed: not sent with
                 # it; the ID goes again with another key
-                budget.release(False)
+                self._withdraw(item, sent)
                 gov.unused(ticket)
                 del held[id(item)]
-                self.sink.put(sent.unsent(item.sent))
                 self.parking.park(item, 0.0)
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)
@@ -358,6 +357,13 @@ class Worker:
             self.act(item, attempt, verdict, lane)
             if budget.exhausted and not self.ledger.done.is_set():  # (the pass's last ID:
                 stop.set(budget_halt(budget))  # finished; a pass 2 is halted before it starts)
+
+    def _withdraw(self, item: Item, sent: Record) -> None:
+        """``sent`` was committed (or may yet be) but its request does not leave: its budget
+        reservation is given back and the intent taken back (``unsent``; ``item.sent``: an
+        earlier request for the ID left in this pass, so the ID's intent stays open)."""
+        self.budget.release(False)
+        self.sink.put(sent.unsent(item.sent))
 
     def _leave(self, item: Item) -> None:
         """``item``'s intent was refused: this process stalled past its lease (a pause of the
