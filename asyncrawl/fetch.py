@@ -313,33 +313,46 @@ class Fetcher:
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
 
-    async def attempt(self, item_id: str, lane: int = 0, *, first: bool = True) -> Attempt:
-        """One try for ``item_id``, with the API key of ``lane`` (``[request] keys``). Never
-        raises for network or HTTP problems. Every attempt, whatever it led to, is shown to
-        ``observe`` (the operator's error counts, the run's early stops), with ``first``: the
-        ID's first try, with no failure of it behind it (what it meets says something of the
-        API, not only of that ID)."""
-        result = await self._attempt(item_id, lane)
+    def hooked(self, item_id: str, lane: int = 0) -> Request | None:
+        """The ``request_for`` hook's request for ``item_id``, with the API key of ``lane``
+        (``None``: no hook; the config's template is built by ``attempt``). Called before
+        the request's ``sent`` intent is committed: a hook that raises has sent nothing."""
+        if self.request_for is None:
+            return None
+        req = self.request_for(item_id)
+        url, headers = req.url, req.headers
+        if not isinstance(url, URL):  # (a str: a redirect joins onto it as a URL)
+            url = URL(url)
+        if self.config.keys:  # the hook builds the request; the key is the lane's
+            url, headers = with_key(self.config, self.config.keys[lane], url, headers)
+        return Request(req.method, url, headers, req.json)
+
+    async def attempt(self, item_id: str, lane: int = 0, *, first: bool = True,
+                      request: Request | None = None) -> Attempt:
+        """One try for ``item_id``, with the API key of ``lane`` (``[request] keys``):
+        ``request`` (``hooked``'s), else the config's template. Never raises for network or
+        HTTP problems. Every attempt, whatever it led to, is shown to ``observe`` (the
+        operator's error counts, the run's early stops), with ``first``: the ID's first try,
+        with no failure of it behind it (what it meets says something of the API, not only
+        of that ID)."""
+        if request is None and self.request_for is not None:
+            request = self.hooked(item_id, lane)
+        result = await self._attempt(item_id, lane, request)
         if self.observe is not None:
             self.observe(item_id, result, first)
         return result
 
-    async def _attempt(self, item_id: str, lane: int) -> Attempt:
+    async def _attempt(self, item_id: str, lane: int, req: Request | None) -> Attempt:
         cfg = self.config
         try:
             data: bytes | None = None
-            if self.request_for is None:
+            if req is None:
                 b = self._builds[lane]
                 method, url, headers, body = b.method, b.url(item_id), b.headers, None
                 if b.body is not None:
                     data = b.body(item_id)
             else:
-                req = self.request_for(item_id)
                 method, url, headers, body = req.method, req.url, req.headers, req.json
-                if not isinstance(url, URL):  # (a str: a redirect joins onto it as a URL)
-                    url = URL(url)
-                if cfg.keys:  # the hook builds the request; the key is the lane's
-                    url, headers = with_key(cfg, cfg.keys[lane], url, headers)
             for hop in range(cfg.max_redirects + 1):
                 async with self.session.request(
                     method, url, headers=headers, json=body, data=data, allow_redirects=False,

@@ -26,6 +26,7 @@ the job's signals reach this run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -44,24 +45,72 @@ MERGE = 100_000  # IDs per merge transaction (after the first chunk)
 
 async def merge(store: PgStore, source: IdsFile | AsyncIterator[list[str]]) -> tuple[int, int]:
     """Add every ID of ``source`` to the job: (IDs given, IDs in blocks the job did not have).
-    The chunks are cut the same way each time (the first chunk alone, then ``MERGE`` IDs or
-    more), so that the same file merged again is in the same blocks: the job has them."""
-    chunks = source.chunks() if isinstance(source, IdsFile) else source
+
+    A file's chunks are cut the same way each time (the first chunk alone, then ``MERGE`` IDs
+    or more), so that the same file merged again is in the same blocks: the job has them. A
+    library caller's chunks go in the same blocks, except that what has come is merged once
+    the source has made it wait ``SLOW`` seconds (a queue fed over time is crawled as its
+    IDs come). What the source raises is raised once the IDs before it are merged."""
     given = added = 0
-    block: list[str] = []
     try:  # (the run is registered as merging)
-        async for chunk in chunks:  # the first chunk at once (fetching starts), then blocks
-            block += chunk
-            if len(block) >= (MERGE if given else 1):
+        blocks = _blocks(source.chunks()) if isinstance(source, IdsFile) else _blocks(source, SLOW)
+        async with contextlib.aclosing(blocks):
+            async for block in blocks:
                 added += await store.merge(block)
                 given += len(block)
-                block = []
-        if block:
-            added += await store.merge(block)
-            given += len(block)
     finally:
         await store.set_merging(False)
     return given, added
+
+
+SLOW = 0.2  # seconds a library caller's source may keep the IDs it gave from the job
+
+
+async def _blocks(chunks: AsyncIterator[list[str]],
+                  slow: float | None = None) -> AsyncIterator[list[str]]:
+    """``chunks`` in blocks: the first chunk alone (fetching starts), then ``MERGE`` IDs or
+    more; with ``slow``, also what has come when the next chunk has been waited for that
+    long. What ``chunks`` raises comes after the block of the IDs before it."""
+    block: list[str] = []
+    given = 0
+    it = aiter(chunks)
+    ahead: asyncio.Future[list[str]] | None = None  # the next chunk, read while one waits
+    try:
+        while True:
+            if ahead is None:
+                ahead = asyncio.ensure_future(anext(it))
+            if block and slow is not None:
+                await asyncio.wait((ahead,), timeout=slow)
+                if not ahead.done():  # the source is slow: what it gave goes to the job now
+                    given += len(block)
+                    got, block = block, []
+                    yield got
+                    continue
+            try:
+                chunk = await ahead
+            except StopAsyncIteration:
+                break
+            except Exception:
+                if block:
+                    yield block
+                raise
+            finally:
+                if ahead.done():
+                    ahead = None
+            block += chunk
+            if len(block) >= (MERGE if given else 1):
+                given += len(block)
+                got, block = block, []
+                yield got
+        if block:
+            yield block
+    finally:
+        if ahead is not None and not ahead.done():
+            ahead.cancel()
+            await asyncio.gather(ahead, return_exceptions=True)
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],

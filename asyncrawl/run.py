@@ -143,6 +143,10 @@ class Run:
             self._alerts.append(asyncio.create_task(
                 send_alerts(cfg, halt, summary, self._session), name="asyncrawl-alert"))
 
+    def _error_halt(self, exc: BaseException) -> Halt:
+        """The halt of a run whose ID source or hook raised ``exc`` (redacted, then cut)."""
+        return Halt("error", None, self.config.redact(f"{type(exc).__name__}: {exc}")[:500])
+
     def _cancelled(self) -> None:
         if not self.stop.is_set():
             self.stop.set(Halt("cancelled", None, "the task running Crawler.run() was cancelled"))
@@ -198,6 +202,7 @@ class Run:
                                    second=lambda: self._claimed(job, 2, writer),
                                    second_left=lambda: shared.pass_left(2), shared=shared,
                                    again=lambda: self._claimed(job, 1, writer))
+                job.raise_merge_error()
         except asyncio.CancelledError:
             self._cancelled()
             raise
@@ -214,15 +219,27 @@ class Run:
                 await self._close(writer, writer_task, ticker, error)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
+            if error is not None and not isinstance(error, asyncio.CancelledError):
+                # a hook or the ID source raised, and a 402 (say) came in the grace period:
+                # the error is raised, and the operator still hears of the halt
+                with contextlib.suppress(Exception):
+                    await self._alert(await self._summary(store), session, job)
         summary = await self._summary(store)
-        halt = self.stop.halt
-        if job is not None and job.heartbeat.halted_elsewhere:
-            return summary  # the run that met the halt sends the alerts
-        if halt is not None and halt.reason in ("fatal", "budget", "storage"):
-            await send_alerts(cfg, halt, summary, session)
-            if self.hooks.on_halt is not None:
-                self.hooks.on_halt(halt, summary)
+        await self._alert(summary, session, job)
         return summary
+
+    async def _alert(self, summary: Summary, session: aiohttp.ClientSession,
+                     job: _Shared | None) -> None:
+        """The alerts and the ``on_halt`` hook of a halt the operator must act on (a fatal
+        answer, the budget, the state store), unless another run of a shared job met it."""
+        halt = self.stop.halt
+        if halt is None or halt.reason not in ("fatal", "budget", "storage"):
+            return
+        if job is not None and job.heartbeat.halted_elsewhere:
+            return  # the run that met the halt sends the alerts
+        await send_alerts(self.config, halt, summary, session)
+        if self.hooks.on_halt is not None:
+            self.hooks.on_halt(halt, summary)
 
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
                       writer: AnyWriter,
@@ -353,6 +370,9 @@ class Run:
         except StorageError as e:
             self._on_storage_error(e)
             return
+        except Exception as e:  # the ID source's: raised by ``execute`` once the run has stopped
+            self.stop.set(self._error_halt(e))
+            raise
         known = f" ({given - added:,} in blocks the job had already)" if added < given else ""
         log.info("merged %s IDs into the job%s", f"{given:,}", known)
 
@@ -430,15 +450,22 @@ class Run:
             keep_data=self.hooks.on_result is not None, on_retire=self._key_retired)
         gov.unsent = ledger.unsent_left
         died = asyncio.Event()  # a task died: wake the pass so that the error surfaces
+        errors: list[BaseException] = []  # ... or ended cancelled, though nothing cancelled it
 
         def done(task: asyncio.Task[None]) -> None:
-            exc = None if task.cancelled() else task.exception()
+            if task.cancelled():
+                if closing:  # (by ``_shutdown``)
+                    return
+                exc: BaseException | None = RuntimeError(
+                    f"{task.get_name()} ended cancelled, though the run did not cancel it")
+                errors.append(exc)
+            else:
+                exc = task.exception()
             if exc is not None:
                 # The job stops as on a halt (no new request; those in flight get the grace
                 # period and their answers are kept), then the error is raised: an ID
                 # source or a hook that raises must not cost the answers already paid for.
-                self.stop.set(Halt("error", None, cfg.redact(
-                    f"{type(exc).__name__}: {exc}")[:500]))
+                self.stop.set(self._error_halt(exc))
                 died.set()
 
         tasks = [asyncio.create_task(self._produce(ids, queue, ledger),
@@ -446,6 +473,7 @@ class Run:
                  asyncio.create_task(parking.run(), name=f"asyncrawl-parking-{pass_no}"),
                  *(asyncio.create_task(workers.run(), name=f"asyncrawl-worker-{pass_no}-{i}")
                    for i in range(cfg.concurrency))]
+        closing = False
         for t in tasks:
             t.add_done_callback(done)
         try:
@@ -454,6 +482,7 @@ class Run:
             self._cancelled()
             raise
         finally:
+            closing = True
             try:
                 await self._shutdown(tasks, workers)
             finally:  # (cancelled again meanwhile: the workers have stopped all the same)
@@ -471,6 +500,8 @@ class Run:
             exc = None if t.cancelled() else t.exception()
             if exc is not None:
                 raise exc
+        if errors:
+            raise errors[0]
         return ledger
 
     async def _produce(self, ids: AsyncIterator[Chunk], queue: IdQueue, ledger: Ledger) -> None:
@@ -639,6 +670,13 @@ class _Shared:
 
     def merging(self) -> bool:
         return bool(self._tasks) and not self._tasks[0].done()
+
+    def raise_merge_error(self) -> None:
+        """Raise what the merge raised (the ID source's error), if it did."""
+        merge = self._tasks[0] if self._tasks else None
+        if merge is not None and merge.done() and not merge.cancelled() \
+                and merge.exception() is not None:
+            raise merge.exception()  # type: ignore[misc]
 
     async def close(self) -> None:
         """Stop both; publish this run's halt if the heartbeat has not yet."""

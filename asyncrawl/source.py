@@ -248,12 +248,29 @@ async def id_chunks(ids: Iterable[str] | AsyncIterable[str]) -> AsyncIterator[li
                 if len(chunk) >= CHUNK_IDS:
                     yield chunk
                     chunk = []
-    except InputError:
+    except Exception:  # (the IDs before what the source raised go on first, as a file's do)
         if chunk:
             yield chunk
         raise
+    except BaseException as e:
+        if not _raised_by_source(e):
+            raise
+        if chunk:
+            yield chunk
+        raise InputError("the ID source raised CancelledError, though nothing cancelled the "
+                         f"run, after {n} IDs", line=n + 1) from e
     if chunk:
         yield chunk
+
+
+def _raised_by_source(e: BaseException) -> bool:
+    """Whether ``e`` is a ``CancelledError`` the ID source raised of itself (an iterator that
+    ends that way), not the cancellation of the task reading it. Let through, it would end
+    that task as if cancelled by its owner, and the run would wait for it for ever."""
+    import asyncio
+
+    task = asyncio.current_task() if isinstance(e, asyncio.CancelledError) else None
+    return task is not None and not task.cancelling()
 
 
 async def _as_they_come(ids: AsyncIterable[str]) -> AsyncIterator[list[str]]:

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 from .config import Config, key_fingerprint
-from .fetch import Attempt, Fetcher, Outcome
+from .fetch import Attempt, Fetcher, Outcome, Request
 from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .records import Commit, Record
@@ -103,11 +103,17 @@ def budget_halt(budget: Budget) -> Halt:
     return Halt("budget", None, f"request budget of {budget.limit} billable calls reached")
 
 
+OVERRIDES = {"storage": 2, "fatal": 1}  # halts that take over from a lesser earlier one
+
+
 class Stop:
-    """The job's stop switch: set once (the first reason wins) by a fatal answer, the budget, a
-    storage error, a signal or a cancellation; no request starts after it. A storage error
-    wins over any earlier reason: what came after it is not durable, which is what the
-    operator must hear first (exit 5), whatever stopped the run."""
+    """The job's stop switch: set by a fatal answer, the budget, a storage error, a signal, a
+    cancellation or an error; no request starts after it. The first reason wins, except that
+    a storage error wins over any earlier reason (what came after it is not durable, which is
+    what the operator must hear first: exit 5) and a fatal answer over any but a storage error
+    or an earlier fatal one (a 402 met by a request in its grace period, after a signal or
+    a failing hook stopped the run, still halts with exit 3 and sends the alert: the key or
+    the balance needs the operator before a rerun can work)."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -124,9 +130,10 @@ class Stop:
         first = self.halt
         if first is None:
             self.halt = halt
-        elif halt.reason == "storage" and first.reason != "storage":
-            self.halt = Halt("storage", None, f"{halt.message} (the run was stopping: "
+        elif OVERRIDES.get(halt.reason, 0) > OVERRIDES.get(first.reason, 0):
+            self.halt = Halt(halt.reason, halt.status, f"{halt.message} (the run was stopping: "
                              f"{first.message})")
+            log.warning("%s", self.halt.message)
         self.event.set()
 
 
@@ -294,6 +301,7 @@ class Worker:
                                           self.queue)
         limited_budget = budget.limit is not None
         stopped = stop.event.is_set  # (looked up once: asked three times a request)
+        hooked = self.fetcher.request_for is not None
         while not stopped():
             item = queue.get_nowait() or await queue.get()
             held[id(item)] = item
@@ -301,9 +309,17 @@ class Worker:
             if limited_budget and not await budget.reserve():
                 stop.set(budget_halt(budget))
                 return
+            lane = ticket.lane
+            request = None
+            if hooked:  # (before its intent: a hook that raises has sent nothing)
+                try:
+                    request = self.fetcher.hooked(item.id, lane)
+                except BaseException:
+                    budget.release(False)
+                    gov.unused(ticket)
+                    raise
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.
-            lane = ticket.lane
             sent = Record.sent(item.id, self.fingerprints[lane])
             if stopped():
                 budget.release(False)
@@ -334,7 +350,7 @@ class Worker:
                 self.parking.park(item, 0.0)
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)
-            attempt = await self._send(item, lane, first)
+            attempt = await self._send(item, lane, first, request)
             del held[id(item)]  # no await from here on: it is parked or settled below
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY
@@ -396,7 +412,8 @@ class Worker:
         earlier run): only such tries tell something of the API rather than of the ID."""
         return item.tries == 0 and self.pass_no == 1 and not item.suspect
 
-    async def _send(self, item: Item, lane: int = 0, first: bool = True) -> Attempt:
+    async def _send(self, item: Item, lane: int = 0, first: bool = True,
+                    request: Request | None = None) -> Attempt:
         self.in_flight += 1
         if not item.sent:
             item.sent = True
@@ -406,7 +423,7 @@ class Worker:
         self.idle.clear()
         self.requests += 1
         try:  # (raises CancelledError, or what a request_for or classify hook raised)
-            attempt = await self.fetcher.attempt(item.id, lane, first=first)
+            attempt = await self.fetcher.attempt(item.id, lane, first=first, request=request)
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:

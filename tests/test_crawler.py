@@ -16,11 +16,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from asyncrawl import Config, Crawler, Outcome, Progress, Response, Result
+from asyncrawl import Config, Crawler, InputError, Outcome, Progress, Response, Result
 from asyncrawl.report import export
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
-from .conftest import KEY, db_rows, fast_config
+from .conftest import KEY, db_rows, fast_config, outcomes_of
 
 
 def exported(config: Config, outcome: str = "ok") -> list[dict]:
@@ -318,6 +318,89 @@ async def test_a_request_hook_that_raises_ends_the_run_without_waiting_out_the_g
         with pytest.raises(LookupError):
             await Crawler(cfg, request_for=build).run(["a", "bad", "b", "c"])
     assert loop.time() - started < 30  # (60 s, the grace, before)
+
+
+async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> None:
+    """The hook was called after the ID's ``sent`` intent was committed: the request that never
+    left was counted as sent and listed in doubt (possibly billed) for ever after."""
+    from asyncrawl import Request
+
+    async with MockAPI(api_key=KEY) as api:
+        def build(item: str) -> Request:
+            if item == "bad":
+                raise LookupError("no route for it")
+            return Request("GET", api.item_url.replace("{id}", item), {"X-Api-Key": KEY})
+
+        with pytest.raises(LookupError):
+            await Crawler(fast_config(api, state, concurrency=1), request_for=build).run(
+                ["a", "bad", "b"])
+        seen = api.starts()
+    assert "bad" not in seen
+    assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL") == []
+    assert db_rows(state, "SELECT id FROM items WHERE sends > 0") == [(i,) for i in seen]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+async def test_an_id_source_that_raises_cancelled_error_ends_the_run(state: Path,
+                                                                     sync: bool) -> None:
+    """A source that ends with a ``CancelledError`` of its own (nothing cancelled the run)
+    ended the producer as if its owner had cancelled it: no halt, and ``run()`` waited for
+    ever. It is an error of the source, raised as one."""
+    def plain() -> Any:
+        yield from ("a", "b")
+        raise asyncio.CancelledError
+
+    async def streamed() -> Any:
+        for item in ("a", "b"):
+            yield item
+        raise asyncio.CancelledError
+
+    async with MockAPI(api_key=KEY) as api:
+        crawler = Crawler(fast_config(api, state))
+        with pytest.raises(InputError, match="raised CancelledError") as raised:
+            await asyncio.wait_for(crawler.run(plain() if sync else streamed()), 30)
+    assert raised.value.line == 3
+    assert crawler.halt is not None and crawler.halt.reason == "error"
+
+
+@pytest.mark.parametrize("how", ["signal", "error"])
+async def test_a_402_in_the_grace_period_of_another_stop_halts_and_alerts(
+        state: Path, how: str) -> None:
+    """A 402 answered to a request in flight when a signal or a failing ID source had stopped
+    the run was dropped: the first reason won, so no alert, no exit 3, no fatal halt in the
+    state; the operator heard of the empty balance only from the next run."""
+    halts: list[Any] = []
+    async with MockAPI(api_key=KEY, balance=2, latency=0.5) as api:
+        cfg = fast_config(api, state, concurrency=4, grace=10.0)
+        crawler = Crawler(cfg, on_halt=lambda h, s: halts.append(h))
+
+        async def in_flight() -> None:
+            deadline = asyncio.get_running_loop().time() + 20
+            while len(api.starts()) < 4:  # all four out; two will be refused (402)
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+
+        async def ids() -> Any:
+            for i in range(4):
+                yield f"id{i}"
+            await in_flight()
+            if how == "error":
+                raise RuntimeError("my ID source failed")
+            await asyncio.Event().wait()  # (more IDs may come)
+
+        async with crawler:
+            run = asyncio.ensure_future(crawler.run(ids()))
+            if how == "signal":
+                await in_flight()
+                crawler.stop("signal", signum=15)
+                s = await asyncio.wait_for(run, 30)
+                assert s.exit_code == 3 and s.ok == 2
+            else:
+                with pytest.raises(RuntimeError, match="my ID source failed"):
+                    await asyncio.wait_for(run, 30)
+    assert crawler.halt is not None and (crawler.halt.reason, crawler.halt.status) == ("fatal", 402)
+    assert len(halts) == 1 and halts[0].status == 402
+    assert list(outcomes_of(state).values()) == ["ok", "ok"]
 
 
 @pytest.mark.parametrize("turns", [0, 1, 2, 5, 20])

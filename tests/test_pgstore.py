@@ -131,6 +131,59 @@ async def test_pass_2_of_a_shared_job_waits_for_pass_1_s_failures_to_be_written(
     assert outcomes(job)["n404"] == "unavailable"
 
 
+async def test_an_id_source_that_raises_stops_a_shared_run_and_its_ids_stay_in_the_job(
+        job: str) -> None:
+    """The merge caught only storage errors: what the source raised was dropped with the IDs
+    it had given since the first chunk, and the run said it had finished (exit 0)."""
+    from asyncrawl import Crawler
+
+    async def ids() -> Any:
+        yield "first"
+        deadline = asyncio.get_running_loop().time() + 20
+        while not api.paid():  # (the first chunk is merged and fetched at once)
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        for i in range(5):
+            yield f"later{i}"
+        raise RuntimeError("my ID source failed")
+
+    async with MockAPI(api_key=KEY) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job)
+        with pytest.raises(RuntimeError, match="my ID source failed"):
+            async with Crawler(cfg) as c:
+                await asyncio.wait_for(c.run(ids()), 60)
+        assert c.halt is not None and c.halt.reason == "error"
+        assert sorted(x for (x,) in pg_rows("SELECT id FROM asyncrawl_items WHERE job = %s "
+                                            "UNION SELECT unnest(ids) FROM asyncrawl_blocks "
+                                            "WHERE job = %s", job, job)) == \
+            ["first"] + [f"later{i}" for i in range(5)]
+        async with Crawler(cfg) as c:  # a rerun fetches what the job was given
+            s = await c.run([])
+        assert (s.ok, s.exit_code) == (6, 0)
+
+
+async def test_a_slow_async_id_source_is_crawled_as_its_ids_come_in_a_shared_job(
+        job: str) -> None:
+    """After its first chunk, a library caller's IDs waited in the merge for 100,000 more (or
+    the source's end) before the job had them: a queue fed over time was not crawled."""
+    from asyncrawl import Crawler
+
+    async with MockAPI(api_key=KEY) as api:
+        async def ids() -> Any:
+            yield "first"
+            for i in range(3):
+                deadline = asyncio.get_running_loop().time() + 20
+                while len(api.paid()) < i + 1:  # (never, before: the next waited for more)
+                    assert asyncio.get_running_loop().time() < deadline, "an ID waited"
+                    await asyncio.sleep(0.01)
+                yield f"then{i}"
+
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job)
+        async with Crawler(cfg) as c:
+            s = await c.run(ids())
+    assert (s.ok, s.exit_code) == (4, 0)
+
+
 def _run(config: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(config),
                              "--no-progress", *extra], stdout=subprocess.PIPE,
