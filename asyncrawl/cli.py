@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -194,8 +195,9 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bo
     ``need_env=False`` for commands that only read the state: they never need the secrets;
     ``need_url=False`` for those that read nothing else (``Config.load``)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    local = bool(getattr(args, "state", None)) and not is_url(args.state)
     if getattr(args, "state", None):
-        overrides["state_url" if is_url(args.state) else "state_dir"] = args.state
+        overrides["state_url" if not local else "state_dir"] = args.state
     if getattr(args, "job", None):
         overrides["job"] = args.job
     path = args.config or ("config.toml" if Path("config.toml").is_file() else None)
@@ -206,7 +208,10 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bo
                 return Config(url=UNUSED_URL, **overrides)
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
         return Config.from_dict({}, **overrides)  # every value is a flag: errors name the flag
-    return Config.load(path, need_env=need_env, need_url=need_url, **overrides)
+    cfg = Config.load(path, need_env=need_env, need_url=need_url, **overrides)
+    if local and cfg.state_url is not None:  # --state DIR replaces the file's [state] url
+        cfg = dataclasses.replace(cfg, state_url=None)
+    return cfg
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:

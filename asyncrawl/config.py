@@ -45,7 +45,12 @@ MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT
 UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
-_PARAM_NAMES = r"key|token|api[-_]?key|apikey|access[-_]?token|secret|password|sig(?:nature)?"
+# a query parameter's name that says it carries a credential: one holding api_key, access_key,
+# secret, token or password anywhere (client_secret, private_token), or ending in the word key,
+# auth, sig, signature, credential or pwd (access_key, auth, X-Amz-Signature); not monkey
+_W = r"[A-Za-z0-9_.\-]"
+_PARAM_NAMES = (rf"{_W}*?(?:api[-_]?key|access[-_]?key|secret|token|passw(?:or)?d){_W}*"
+                rf"|(?:{_W}*[-_.])?(?:key|auth|sig|signature|credentials?|pwd)")
 _SECRET_PARAM = re.compile(rf"^(?:{_PARAM_NAMES})$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # "Bearer abc", "Token abc", "Basic dXNlcjpwYXNz": the credential after an auth scheme word

@@ -109,12 +109,15 @@ class Meter:
         done = t.settled + t.skipped
         eta = self._eta(now) if g.pass_no == 1 else None
         total = self.total
+        failed = t.failed
         if g.pass_no == 2:  # pass 2 counts its own IDs: "[pass 2] 12/90", not 5,254/5,100
             done, total = done - self.pass2[0], self.pass2[1]
+            # each ID it settles (ok or unavailable) was failed: it is not counted twice
+            failed = max(0, failed - done)
         elif total is not None:  # the list's lines, less the duplicates found so far: its IDs
             total = max(done, total - t.duplicates)
         return Progress(
-            pass_no=g.pass_no, total=total, done=done, ok=t.ok, failed=t.failed,
+            pass_no=g.pass_no, total=total, done=done, ok=t.ok, failed=failed,
             unavailable=t.unavailable, skipped=t.skipped, retries=t.retries + g.retries,
             requests=requests, in_flight=g.in_flight, parked=g.parked,
             rate=self._rate(now, requests), paused_for=g.paused_for, elapsed=now - self.started,

@@ -262,7 +262,7 @@ class LiveView:
         head += f"  {_duration(p.elapsed)}"
         if total and not p.cooling_down:
             head += f"  ETA {_duration(eta)}"
-        failed = f"failed {p.failed:,}" if p.pass_no == 1 else f"failed in pass 1 {p.failed:,}"
+        failed = f"failed {p.failed:,}" if p.pass_no == 1 else f"failed, left to retry {p.failed:,}"
         counts = (f"  ok {p.ok:,}   {failed}   unavailable {p.unavailable:,}"
                   f"   retried {p.retries:,}")
         if p.skipped:
@@ -324,6 +324,10 @@ def halt_text(h: Halt) -> tuple[str, str]:
         return (h.message or "request budget reached",
                 "raise --max-requests or [billing] max_spend, then rerun the same command "
                 "to go on: nothing is fetched twice")
+    if h.reason == "storage" and "PostgreSQL" in h.message:  # (pgstore's errors say so)
+        return (f"the job's database failed: {h.message}",
+                "once the database answers again, rerun the same command: what was committed "
+                "is kept")
     if h.reason == "storage":
         return (f"local storage failure: {h.message}",
                 "free space or fix the disk, then rerun the same command: what was saved is kept")

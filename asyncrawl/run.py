@@ -44,7 +44,7 @@ from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
-from .records import SETTLED, Commit, Record
+from .records import SETTLED, Commit, Counts, Record
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
@@ -206,6 +206,8 @@ class Run:
         except asyncio.CancelledError:
             self._cancelled()
             raise
+        except StorageError as e:  # (e.g. a shared job's database gone while the run reads it)
+            self._on_storage_error(e)  # a halt like any other: summary, alerts, exit 5
         except BaseException as e:
             error = e
             raise
@@ -622,9 +624,17 @@ class Run:
         self.stop.set(Halt("storage", None, str(error)))
 
     async def _summary(self, store: Store) -> Summary:
-        """This run's IDs by their state now (IDs settled by earlier runs included)."""
-        c = await store.run_counts(whole=self.resumed)
+        """This run's IDs by their state now (IDs settled by earlier runs included); where the
+        store cannot be read any more (a storage halt: a shared job's database gone), what
+        this run recorded."""
         t = self.tally
+        try:
+            c = await store.run_counts(whole=self.resumed)
+        except StorageError:
+            if self.stop.halt is None or self.stop.halt.reason != "storage":
+                raise
+            c = Counts(ok=t.ok, failed=t.failed, unavailable=t.unavailable,
+                       pending=self.meter.left() or 0)
         return Summary(ok=c.ok, failed=c.failed, unavailable=c.unavailable, pending=c.pending,
                        fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                        retries=t.retries, requests=t.requests, billable=t.billable,

@@ -61,7 +61,8 @@ class Result:
 @dataclass(frozen=True, slots=True)
 class Progress:
     """A snapshot for progress displays (``on_progress``). ``total`` and ``done`` count the
-    IDs of the current pass: in pass 2, the IDs that pass 1 left failed."""
+    IDs of the current pass: in pass 2, the IDs that pass 1 left failed. ``failed``: IDs
+    recorded failed and not settled since (in pass 2, those it has yet to settle)."""
 
     pass_no: int
     total: int | None

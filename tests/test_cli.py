@@ -1126,3 +1126,16 @@ def test_the_cli_runs_its_crawls_on_uvloop_when_the_fast_extra_is_installed(
 def test_a_wrong_loop_choice_is_an_input_error() -> None:
     r = cli("demo", env={"ASYNCRAWL_LOOP": "twisted"})
     assert r.returncode == 2 and "ASYNCRAWL_LOOP must be one of auto, asyncio, uvloop" in r.stderr
+
+
+def test_state_dir_on_the_command_line_replaces_the_config_s_state_url(tmp_path: Path) -> None:
+    """``--state DIR`` was ignored beside a config's ``[state] url``: the run, ``status`` and
+    ``export`` used the PostgreSQL job (the README's recheck into a directory of its own
+    merged the IDs into the job and sent nothing)."""
+    conf = tmp_path / "c.toml"
+    conf.write_text('[request]\nurl = "http://127.0.0.1:9/items/{id}"\n[state]\n'
+                    'url = "postgresql://nobody@127.0.0.1:9/none"\njob = "j"\n')
+    local = tmp_path / "local"
+    for args in (["status"], ["export", "--format", "ids"]):
+        r = cli(*args, "-c", str(conf), "--state", str(local))
+        assert r.returncode == 2 and str(local) in r.stderr and "postgresql" not in r.stderr

@@ -665,6 +665,9 @@ async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
     assert second and all(p.total == 5 and 0 <= p.done <= 5 for p in second)
     assert final.done == 5
     assert all(p.done <= (p.total or 0) for p in seen)
+    # an ID pass 2 settles is no longer failed (it was counted as both, past the 25 IDs)
+    assert all(p.ok + p.failed + p.unavailable <= 25 for p in [*seen, final])
+    assert (final.ok, final.failed, final.unavailable) == (20, 0, 5)
 
 
 async def test_progress_total_counts_ids_not_duplicate_lines(state: Path) -> None:

@@ -138,9 +138,9 @@ def test_live_view_frames_say_what_holds_the_job_back() -> None:
     # pass 2 measures itself against what pass 1 left failed
     view(Progress(**{**base, "done": 1000, "ok": 960, "failed": 40, "eta": None,
                      "cooling_down": True}))
-    p2 = view.frame(Progress(**{**base, "pass_no": 2, "done": 1010, "ok": 965, "failed": 40,
+    p2 = view.frame(Progress(**{**base, "pass_no": 2, "done": 1010, "ok": 965, "failed": 30,
                                 "unavailable": 5, "eta": None}))
-    assert "pass 2" in p2[0] and "10/40" in p2[0] and "failed in pass 1 40" in p2[1]
+    assert "pass 2" in p2[0] and "10/40" in p2[0] and "failed, left to retry 30" in p2[1]
 
 
 # -- 2. logs: aggregated error lines, JSON with stable keys, the halt last ---------------------

@@ -456,9 +456,12 @@ def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: 
         assert proxy.stdout is not None
         port = int(proxy.stdout.readline())
         via = PG.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
-        cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 500})
+        alert = tmp_path / "alert.txt"
+        cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 500},
+                      alerts={"on_halt": f"echo $ASYNCRAWL_REASON >> '{alert}'"})
         cfg.write_text(cfg.read_text().replace(PG, via))
-        run = _run(cfg)
+        log = tmp_path / "run.jsonl"
+        run = _run(cfg, "--log-format", "json", "--log-file", str(log))
         _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
                                   "state = 'ok'", job)[0][0] >= 200, 60, "200 IDs ok")
         proxy.kill()
@@ -471,8 +474,14 @@ def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: 
         if proxy.stdout is not None:
             proxy.stdout.close()
     assert run.returncode == 5, (out, err)
-    assert "PostgreSQL server is unreachable or went away" in err
-    assert "nothing committed is lost" in err
+    said = err + log.read_text()  # (the log file has the messages)
+    assert "PostgreSQL server is unreachable or went away" in said
+    assert "nothing committed is lost" in said
+    # a halt like the others (it escaped the run, which then skipped its summary and alerts)
+    assert alert.read_text().split() == ["storage"]
+    events = [orjson.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["event"] == "halt" and events[-1]["reason"] == "storage"
+    assert any(e["event"] == "summary" for e in events)
     kept = pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'", job)
     rerun = _run(_config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8,
                                                                     "rate": 500}))
@@ -483,6 +492,46 @@ def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: 
     assert set(paid) == {f"g{i}" for i in range(n)}
     assert sum(paid.values()) - n <= 8 + 256  # re-fetched: at most what was in flight
     assert kept[0][0] >= 200
+
+
+def test_the_database_lost_in_the_cool_down_halts_with_a_summary_and_the_alert(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    """The database goes away while the run waits out the cool-down: the heartbeat stops the
+    run, and the pass's own read of the job then raised out of the run: exit 5 with one error
+    line, no summary, no halt line, no alert."""
+    n = 200
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    ids = write_ids(tmp_path / "ids.txt", [f"c{i}" for i in range(n)])
+    alert = tmp_path / "alert.txt"
+    log = tmp_path / "run.jsonl"
+    proxy = subprocess.Popen([sys.executable, "-c", PROXY], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stdout is not None
+        port = int(proxy.stdout.readline())
+        cfg = _config(tmp_path, mock.item_url, job, ids, passes={"cooldown": 60},
+                      alerts={"on_halt": f"echo $ASYNCRAWL_REASON >> '{alert}'"})
+        cfg.write_text(cfg.read_text().replace(PG, PG.replace("127.0.0.1:5432",
+                                                              f"127.0.0.1:{port}")))
+        run = _run(cfg, "--log-format", "json", "--log-file", str(log))
+        # pass 1 is over once every ID has a state (ok, or failed for pass 2)
+        _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
+                                  "state IS NOT NULL", job)[0][0] == n, 60, "pass 1 done")
+        proxy.kill()
+        proxy.wait()
+        out, err = run.communicate(timeout=60)
+    finally:
+        if proxy.poll() is None:
+            proxy.kill()
+            proxy.wait()
+        if proxy.stdout is not None:
+            proxy.stdout.close()
+    assert run.returncode == 5, (out, err)
+    assert alert.read_text().split() == ["storage"]
+    events = [orjson.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["event"] == "halt" and events[-1]["reason"] == "storage"
+    summary = next(e for e in events if e["event"] == "summary")
+    assert summary["ok"] + summary["failed"] == n
+    assert "the job's database failed" in out + err and "free space" not in out + err
 
 
 # A TCP forwarder to PostgreSQL that the test can cut (kill) mid-run.

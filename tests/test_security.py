@@ -509,6 +509,28 @@ def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostil
     assert_no_secret(*(q.raw for q in other.requests))
 
 
+@pytest.mark.parametrize("name", ["client_secret", "private_token", "api_token", "auth",
+                                  "access_key", "X-Amz-Signature"])
+def test_a_literal_credential_in_a_common_parameter_name_is_never_written(
+        tmp_path: Path, hostile: Hostile, name: str) -> None:
+    """Only a few exact names counted as credentials in a query: the value of client_secret,
+    private_token (GitLab), auth (Firebase) or access_key, written literally in the template
+    or in [request.params], went into state.db's job and run records in clear."""
+    secret = f"Lit{name.replace('-', '')}Secret9"
+    ids = write_ids(tmp_path / "ids.txt", ["ok", "n1", "n2"])
+    state = tmp_path / "state"
+    conf = write_config(tmp_path / "c.toml", f"{hostile.item_url}?{name}={secret}", state, ids,
+                        request__params={f"x_{name}": secret})
+    outputs = []
+    for args in (["run", "-c", str(conf), "--log-format", "json"], ["status", "-c", str(conf)],
+                 ["export", "-c", str(conf), "--outcome", "ok"]):
+        r = run_cli(*args, env={"ASYNCRAWL_TEST_KEY": KEY})
+        assert r.returncode == 0, r.stderr
+        outputs += [r.stdout, r.stderr]
+    assert any(secret.encode() in q.raw for q in hostile.requests)  # it went to the API
+    assert_no_secret(*outputs, *dir_bytes(state), secrets=(secret,))
+
+
 # -- 2. redirects: credentials never cross origins -----------------------------------------------
 
 
