@@ -45,12 +45,17 @@ MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT
 UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
 
 _SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
-# a query parameter's name that says it carries a credential: one holding api_key, access_key,
-# secret, token or password anywhere (client_secret, private_token), or ending in the word key,
-# auth, sig, signature, credential or pwd (access_key, auth, X-Amz-Signature); not monkey
+# a query parameter's name that says it carries a credential: a word of it (between - _ .) is
+# secret, password, credential, signature or auth (client_secret, X-Amz-Signature, auth), or
+# it holds api/access/private/client/... key or token (access_key, private_token, apiKey), or
+# it is key, token or sig. Not max_tokens, page_token or sort_key: the job's identity in the
+# state keeps those, so that a run with another value of one is told it is another job.
 _W = r"[A-Za-z0-9_.\-]"
-_PARAM_NAMES = (rf"{_W}*?(?:api[-_]?key|access[-_]?key|secret|token|passw(?:or)?d){_W}*"
-                rf"|(?:{_W}*[-_.])?(?:key|auth|sig|signature|credentials?|pwd)")
+_PARAM_NAMES = (
+    rf"(?:{_W}*[-_.])?(?:secret|passw(?:or)?d|pwd|credentials?|signature|auth)(?:[-_.]{_W}*)?"
+    rf"|(?:{_W}*[-_.])?(?:api|access|private|secret|client|app|subscription|auth|refresh|id"
+    rf"|session|bearer|oauth)[-_.]?(?:key|token)(?:[-_.]{_W}*)?"
+    r"|key|token|sig")
 _SECRET_PARAM = re.compile(rf"^(?:{_PARAM_NAMES})$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # "Bearer abc", "Token abc", "Basic dXNlcjpwYXNz": the credential after an auth scheme word

@@ -69,9 +69,12 @@ SLOW = 0.2  # seconds a library caller's source may keep the IDs it gave from th
 async def _blocks(chunks: AsyncIterator[list[str]],
                   slow: float | None = None) -> AsyncIterator[list[str]]:
     """``chunks`` in blocks: the first chunk alone (fetching starts), then ``MERGE`` IDs or
-    more; with ``slow``, also what has come when the next chunk has been waited for that
-    long. What ``chunks`` raises comes after the block of the IDs before it."""
+    more; with ``slow``, also a block whose first ID came that long ago, as soon as the
+    source makes it wait (a source that trickles IDs in never fills a block). What ``chunks``
+    raises comes after the block of the IDs before it."""
+    loop = asyncio.get_running_loop()
     block: list[str] = []
+    since = 0.0  # when the block's first ID came
     given = 0
     it = aiter(chunks)
     ahead: asyncio.Future[list[str]] | None = None  # the next chunk, read while one waits
@@ -80,8 +83,10 @@ async def _blocks(chunks: AsyncIterator[list[str]],
             if ahead is None:
                 ahead = asyncio.ensure_future(anext(it))
             if block and slow is not None:
-                await asyncio.wait((ahead,), timeout=slow)
-                if not ahead.done():  # the source is slow: what it gave goes to the job now
+                left = since + slow - loop.time()
+                if left > 0:
+                    await asyncio.wait((ahead,), timeout=left)
+                if not ahead.done():  # the block is old enough: to the job now
                     given += len(block)
                     got, block = block, []
                     yield got
@@ -97,6 +102,8 @@ async def _blocks(chunks: AsyncIterator[list[str]],
             finally:
                 if ahead.done():
                     ahead = None
+            if not block:
+                since = loop.time()
             block += chunk
             if len(block) >= (MERGE if given else 1):
                 given += len(block)

@@ -187,7 +187,7 @@ class Run:
         start = Record("run", extra={"version": __version__, "pid": os.getpid(),
                                      "job": cfg.job_identity(), "source": ident})
         job: _Shared | None = None
-        error: BaseException | None = None
+        error: BaseException | None = None  # (or the run's cancellation)
         try:
             if shared is None:
                 writer.put(start)
@@ -203,8 +203,9 @@ class Run:
                                    second_left=lambda: shared.pass_left(2), shared=shared,
                                    again=lambda: self._claimed(job, 1, writer))
                 job.raise_merge_error()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as e:
             self._cancelled()
+            error = e
             raise
         except StorageError as e:  # (e.g. a shared job's database gone while the run reads it)
             self._on_storage_error(e)  # a halt like any other: summary, alerts, exit 5
@@ -218,12 +219,15 @@ class Run:
                     if self.budget is not None:
                         with contextlib.suppress(StorageError):  # (lost: the job stops short)
                             await job.store.return_budget(self.budget.unspent)
-                await self._close(writer, writer_task, ticker, error)
+                await self._close(writer, writer_task,
+                                  ticker, None if isinstance(error, asyncio.CancelledError)
+                                  else error)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
-            if error is not None and not isinstance(error, asyncio.CancelledError):
-                # a hook or the ID source raised, and a 402 (say) came in the grace period:
-                # the error is raised, and the operator still hears of the halt
+            if error is not None:
+                # a hook or the ID source raised, or the run was cancelled, and a 402 (say)
+                # came in the grace period: the error is raised, and the operator still hears
+                # of the halt (a second cancellation cuts this short)
                 with contextlib.suppress(Exception):
                     await self._alert(await self._summary(store), session, job)
         summary = await self._summary(store)
@@ -646,7 +650,10 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
     """Refuse a state made by another job: its settled IDs would be skipped, and the new job
     would fetch nothing and say it had finished."""
     now = cfg.job_identity()
-    if job is None or job == now or cfg.reuse_state:
+    if job is None or cfg.reuse_state:
+        return
+    job = _as_redacted_now(cfg, job)
+    if job == now:
         return
     keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
     raise JobMismatch(
@@ -656,6 +663,18 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
         + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
         "address what the old job had not settled and keep what it had, pass --reuse-state "
         "([state] reuse = true)")
+
+
+def _as_redacted_now(cfg: Config, job: dict[str, Any]) -> dict[str, Any]:
+    """A stored job identity with what ``cfg`` holds secret now redacted as it would be (a
+    state written when fewer parameter names counted as secret kept such values in clear)."""
+    params = job.get("params")
+    fixed = {**job}
+    if isinstance(job.get("url"), str):
+        fixed["url"] = cfg.redact(job["url"])
+    if isinstance(params, dict):
+        fixed["params"] = {k: "***" if cfg.is_secret_param(k) else v for k, v in params.items()}
+    return fixed
 
 
 def _unavailable(item: str, tries: int, status: int | None, error: str | None, *,

@@ -363,7 +363,7 @@ async def test_an_id_source_that_raises_cancelled_error_ends_the_run(state: Path
     assert crawler.halt is not None and crawler.halt.reason == "error"
 
 
-@pytest.mark.parametrize("how", ["signal", "error"])
+@pytest.mark.parametrize("how", ["signal", "error", "cancel"])
 async def test_a_402_in_the_grace_period_of_another_stop_halts_and_alerts(
         state: Path, how: str) -> None:
     """A 402 answered to a request in flight when a signal or a failing ID source had stopped
@@ -395,6 +395,11 @@ async def test_a_402_in_the_grace_period_of_another_stop_halts_and_alerts(
                 crawler.stop("signal", signum=15)
                 s = await asyncio.wait_for(run, 30)
                 assert s.exit_code == 3 and s.ok == 2
+            elif how == "cancel":
+                await in_flight()
+                run.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asyncio.wait_for(run, 30)
             else:
                 with pytest.raises(RuntimeError, match="my ID source failed"):
                     await asyncio.wait_for(run, 30)

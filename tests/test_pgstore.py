@@ -181,7 +181,20 @@ async def test_a_slow_async_id_source_is_crawled_as_its_ids_come_in_a_shared_job
         cfg = fast_config(api, Path("unused"), state_url=PG, job=job)
         async with Crawler(cfg) as c:
             s = await c.run(ids())
-    assert (s.ok, s.exit_code) == (4, 0)
+        assert (s.ok, s.exit_code) == (4, 0)
+
+        fetched: list[int] = []
+
+        async def trickle() -> Any:  # an ID every 50 ms: the merge's wait is never 0.2 s
+            for i in range(60):
+                yield f"t{i}"
+                await asyncio.sleep(0.05)
+            fetched.append(len([x for x in api.paid() if x.startswith("t")]))
+
+        async with Crawler(cfg) as c:
+            s = await c.run(trickle())
+    assert (s.ok, s.exit_code) == (64, 0)
+    assert fetched[0] >= 40  # (1 before: the rest waited for the source's end)
 
 
 def _run(config: Path, *extra: str) -> subprocess.Popen[str]:

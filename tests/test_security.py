@@ -531,6 +531,29 @@ def test_a_literal_credential_in_a_common_parameter_name_is_never_written(
     assert_no_secret(*outputs, *dir_bytes(state), secrets=(secret,))
 
 
+def test_the_job_check_still_sees_ordinary_parameters_and_resumes_states_of_before() -> None:
+    """Names like max_tokens or sort_key are not credentials: the state's job identity keeps
+    their values, so a run with another value is another job. A state written while
+    client_secret's value was kept in clear resumes with the same config."""
+    from asyncrawl import JobMismatch
+    from asyncrawl.run import check_job
+
+    def config(tokens: str, sort: str = "a") -> Config:
+        return Config(url="http://h/items/{id}?client_secret=S3cretValue&page_token=p",
+                      params={"max_tokens": tokens, "sort_key": sort, "x_auth": "A1b2c3"},
+                      state_dir="unused")
+
+    ident = config("256").job_identity()
+    assert "S3cretValue" not in str(ident) and "A1b2c3" not in str(ident)
+    check_job(config("256"), ident)
+    for other in (config("1024"), config("256", sort="b")):
+        with pytest.raises(JobMismatch):
+            check_job(other, ident)
+    before = {**ident, "url": "http://h/items/{id}?client_secret=S3cretValue&page_token=p",
+              "params": {**ident["params"], "x_auth": "A1b2c3"}}
+    check_job(config("256"), before)
+
+
 # -- 2. redirects: credentials never cross origins -----------------------------------------------
 
 
