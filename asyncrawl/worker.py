@@ -314,9 +314,12 @@ class Worker:
             if hooked:  # (before its intent: a hook that raises has sent nothing)
                 try:
                     request = self.fetcher.hooked(item.id, lane)
-                except BaseException:
+                except BaseException as e:
                     budget.release(False)
                     gov.unused(ticket)
+                    if isinstance(e, asyncio.CancelledError):  # (a plain call: not our own)
+                        raise RuntimeError(f"the request_for hook raised CancelledError for "
+                                           f"ID {item.id!r}") from e
                     raise
             # Durably note that the request is about to leave, so that after a crash the ID is
             # known to be in doubt (possibly billed). Group-committed with other records.

@@ -339,6 +339,14 @@ async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> 
     assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL") == []
     assert db_rows(state, "SELECT id FROM items WHERE sends > 0") == [(i,) for i in seen]
 
+    def cancels(item: str) -> Request:
+        raise asyncio.CancelledError  # (a plain call: nothing cancelled the run)
+
+    async with MockAPI(api_key=KEY) as api:
+        with pytest.raises(RuntimeError, match="request_for hook raised CancelledError"):
+            await asyncio.wait_for(Crawler(fast_config(api, state / "c"), request_for=cancels).run(
+                ["c"]), 30)
+
 
 @pytest.mark.parametrize("sync", [False, True])
 async def test_an_id_source_that_raises_cancelled_error_ends_the_run(state: Path,
