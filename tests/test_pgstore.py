@@ -457,26 +457,20 @@ def test_status_and_export_of_a_job_that_does_not_exist_say_so(job: str) -> None
     assert f"no job {job!r}" in out.stderr
 
 
-def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: str,
-                                                          mock_process: Any) -> None:
-    """A TCP proxy in front of PostgreSQL, cut mid-run: the run stops, exit 5, saying the
-    server went away; a rerun through the server resumes and finishes."""
-    n = 1000  # (~6 s of crawl at 8 requests of 50 ms in flight: cut after the first 200)
-    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
-    ids = write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(n)])
+def _cut_the_database(tmp_path: Path, cfg: Path, ready: Any, what: str
+                      ) -> tuple[str, str, Path]:
+    """Run ``cfg`` (a JSON log, an ``on_halt`` alert to ``alert.txt``) through a TCP proxy in
+    front of PostgreSQL, killed once ``ready()``: its output and its log."""
+    log = tmp_path / "run.jsonl"
     proxy = subprocess.Popen([sys.executable, "-c", PROXY], stdout=subprocess.PIPE, text=True)
     try:
         assert proxy.stdout is not None
         port = int(proxy.stdout.readline())
-        via = PG.replace("127.0.0.1:5432", f"127.0.0.1:{port}")
-        alert = tmp_path / "alert.txt"
-        cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 500},
-                      alerts={"on_halt": f"echo $ASYNCRAWL_REASON >> '{alert}'"})
-        cfg.write_text(cfg.read_text().replace(PG, via))
-        log = tmp_path / "run.jsonl"
+        text = cfg.read_text().replace(PG, PG.replace("127.0.0.1:5432", f"127.0.0.1:{port}"))
+        cfg.write_text(text + f"[alerts]\non_halt = \"echo $ASYNCRAWL_REASON >> "
+                              f"'{tmp_path / 'alert.txt'}'\"\n")
         run = _run(cfg, "--log-format", "json", "--log-file", str(log))
-        _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
-                                  "state = 'ok'", job)[0][0] >= 200, 60, "200 IDs ok")
+        _wait_for(ready, 60, what)
         proxy.kill()
         proxy.wait()
         out, err = run.communicate(timeout=60)
@@ -487,18 +481,33 @@ def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: 
         if proxy.stdout is not None:
             proxy.stdout.close()
     assert run.returncode == 5, (out, err)
-    said = err + log.read_text()  # (the log file has the messages)
-    assert "PostgreSQL server is unreachable or went away" in said
-    assert "nothing committed is lost" in said
-    # a halt like the others (it escaped the run, which then skipped its summary and alerts)
-    assert alert.read_text().split() == ["storage"]
+    # a halt like the others (it could escape the run, which then skipped its summary, its
+    # halt line and its alerts)
+    assert (tmp_path / "alert.txt").read_text().split() == ["storage"]
     events = [orjson.loads(line) for line in log.read_text().splitlines()]
     assert events[-1]["event"] == "halt" and events[-1]["reason"] == "storage"
     assert any(e["event"] == "summary" for e in events)
+    return out, err, log
+
+
+def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: str,
+                                                          mock_process: Any) -> None:
+    """A TCP proxy in front of PostgreSQL, cut mid-run: the run stops, exit 5, saying the
+    server went away; a rerun through the server resumes and finishes."""
+    n = 1000  # (~6 s of crawl at 8 requests of 50 ms in flight: cut after the first 200)
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(n)])
+    cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 500})
+    _, err, log = _cut_the_database(
+        tmp_path, cfg, lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s "
+                                       "AND state = 'ok'", job)[0][0] >= 200, "200 IDs ok")
+    said = err + log.read_text()  # (the log file has the messages)
+    assert "PostgreSQL server is unreachable or went away" in said
+    assert "nothing committed is lost" in said
     kept = pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'", job)
     rerun = _run(_config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8,
                                                                     "rate": 500}))
-    out, err = rerun.communicate(timeout=120)
+    _, err = rerun.communicate(timeout=120)
     assert rerun.returncode == 0, err
     paid = collections.Counter(e.id for e in mock.settled_log()
                                if e.event == "end" and e.status == 200)
@@ -515,33 +524,11 @@ def test_the_database_lost_in_the_cool_down_halts_with_a_summary_and_the_alert(
     n = 200
     mock = mock_process("--api-key", KEY, "--faults", "demo")
     ids = write_ids(tmp_path / "ids.txt", [f"c{i}" for i in range(n)])
-    alert = tmp_path / "alert.txt"
-    log = tmp_path / "run.jsonl"
-    proxy = subprocess.Popen([sys.executable, "-c", PROXY], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proxy.stdout is not None
-        port = int(proxy.stdout.readline())
-        cfg = _config(tmp_path, mock.item_url, job, ids, passes={"cooldown": 60},
-                      alerts={"on_halt": f"echo $ASYNCRAWL_REASON >> '{alert}'"})
-        cfg.write_text(cfg.read_text().replace(PG, PG.replace("127.0.0.1:5432",
-                                                              f"127.0.0.1:{port}")))
-        run = _run(cfg, "--log-format", "json", "--log-file", str(log))
-        # pass 1 is over once every ID has a state (ok, or failed for pass 2)
-        _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
-                                  "state IS NOT NULL", job)[0][0] == n, 60, "pass 1 done")
-        proxy.kill()
-        proxy.wait()
-        out, err = run.communicate(timeout=60)
-    finally:
-        if proxy.poll() is None:
-            proxy.kill()
-            proxy.wait()
-        if proxy.stdout is not None:
-            proxy.stdout.close()
-    assert run.returncode == 5, (out, err)
-    assert alert.read_text().split() == ["storage"]
+    cfg = _config(tmp_path, mock.item_url, job, ids, passes={"cooldown": 60})
+    out, err, log = _cut_the_database(  # (pass 1 is over once every ID has a state)
+        tmp_path, cfg, lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s "
+                                       "AND state IS NOT NULL", job)[0][0] == n, "pass 1 done")
     events = [orjson.loads(line) for line in log.read_text().splitlines()]
-    assert events[-1]["event"] == "halt" and events[-1]["reason"] == "storage"
     summary = next(e for e in events if e["event"] == "summary")
     assert summary["ok"] + summary["failed"] == n
     assert "the job's database failed" in out + err and "free space" not in out + err
