@@ -27,7 +27,10 @@ def test_kill_9_at_random_instants_loses_nothing_and_pays_little_twice(tmp_path:
     assert report.violations == [], text
     assert len(report.kills) == KILLS, text  # every run was killed before it could finish
     assert report.final_exit == 0, text
-    assert sum(k.in_doubt_new > 0 for k in report.kills) >= KILLS // 2, text  # kills hit live work
+    # kills hit live work: at least half of those not aimed at the start (which a loaded
+    # machine may reach before the first request; a random seed once drew 5 of 6 of them)
+    live = [k for k in report.kills if k.mode != "startup"]
+    assert sum(k.in_doubt_new > 0 for k in live) >= max(1, len(live) // 2), text
     assert {k.mode for k in report.kills[-2:]} <= {"cool-down", "pass-2"}, text  # and the late phases
     assert all(k.missing == 0 for k in report.kills), text
     assert all(k.refetched <= CONCURRENCY + BATCH_LIMIT for k in report.kills), text
