@@ -219,9 +219,8 @@ class Run:
                     if self.budget is not None:
                         with contextlib.suppress(StorageError):  # (lost: the job stops short)
                             await job.store.return_budget(self.budget.unspent)
-                await self._close(writer, writer_task,
-                                  ticker, None if isinstance(error, asyncio.CancelledError)
-                                  else error)
+                await self._close(writer, writer_task, ticker,
+                                  None if isinstance(error, asyncio.CancelledError) else error)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
             if error is not None:
