@@ -23,6 +23,7 @@ when ``follow_redirects = "any"`` it carries no secret header or value.
 from __future__ import annotations
 
 import base64
+import contextvars
 import enum
 import errno
 import logging
@@ -109,6 +110,9 @@ class Attempt(NamedTuple):
     billable: bool = False
     body: bytes | None = None
     kind: ErrorKind | None = None
+    # the request may have reached the server, and no answer came (a timeout after the
+    # connect, a dropped connection): possibly billed (``Record.unanswered``)
+    unanswered: bool = False
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]
@@ -296,6 +300,9 @@ class Fetcher:
         observe: Callable[[str, Attempt, bool], None] | None = None,
     ) -> None:
         self.session = session
+        # whether the session's connector says when a request has its connection (then what
+        # may have been sent is known; another session's ambiguous failure counts as sent)
+        self._marks = isinstance(session.connector, Connector)
         self.observe = observe
         self.config = config
         self.request_for = request_for  # a hook; None: the config's template (no Request made)
@@ -344,6 +351,8 @@ class Fetcher:
 
     async def _attempt(self, item_id: str, lane: int, req: Request | None) -> Attempt:
         cfg = self.config
+        if self._marks:
+            _CONNECTED.set(False)
         try:
             data: bytes | None = None
             if req is None:
@@ -394,16 +403,24 @@ class Fetcher:
                 kind=ErrorKind.TLS)
         except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
             return Attempt(Outcome.RETRY, None, error=self._timeout_error(e),
-                           kind=ErrorKind.TIMEOUT)
-        except aiohttp.ClientConnectorError as e:
+                           kind=ErrorKind.TIMEOUT, unanswered=self._may_have_left(e))
+        except aiohttp.ClientConnectorError as e:  # (no connection: nothing was sent)
             kind, error = _connect_error(e)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind)
         except aiohttp.ClientError as e:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
-                           kind=ErrorKind.NETWORK)
+                           kind=ErrorKind.NETWORK, unanswered=self._may_have_left(e))
         except OSError as e:  # e.g. a socket error aiohttp did not wrap
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
-                           kind=ErrorKind.NETWORK)
+                           kind=ErrorKind.NETWORK, unanswered=self._may_have_left(e))
+
+    def _may_have_left(self, e: BaseException) -> bool:
+        """Whether an attempt that failed with ``e`` and no answer may have reached the server
+        (possibly billed): it had its connection (a timeout in a DNS lookup, in the wait for
+        a pooled connection or in the connect, or a URL aiohttp refuses, sent nothing)."""
+        if isinstance(e, _CONNECT_TIMEOUT):
+            return False
+        return _CONNECTED.get() if self._marks else True
 
     def _timeout_error(self, e: TimeoutError) -> str:
         if isinstance(e, _CONNECT_TIMEOUT):
@@ -541,6 +558,22 @@ def keep_reads_off_mmap() -> None:
     del block
 
 
+# set by ``Connector`` once an attempt has its connection (the attempt's own context: the
+# connect is awaited in the worker's task)
+_CONNECTED: contextvars.ContextVar[bool] = contextvars.ContextVar("asyncrawl_connected",
+                                                                  default=False)
+
+
+class Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, saying when an attempt has its connection: what fails before that
+    sent nothing; what fails after it without an answer may have reached the server."""
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        _CONNECTED.set(True)
+        return conn
+
+
 def new_session(config: Config) -> aiohttp.ClientSession:
     """The session a ``Crawler`` creates for itself: at most ``concurrency`` connections, no
     cookie jar (a cookie one origin sets must never travel to another), and no silent resend.
@@ -551,7 +584,7 @@ def new_session(config: Config) -> aiohttp.ClientSession:
     recorded: every request that leaves asyncrawl has its durable ``sent`` record, and a drop
     is a retryable failure decided by asyncrawl's own policy instead. Pass the result as
     ``Crawler(config, session=...)`` to share one session and keep that guarantee."""
-    connector = aiohttp.TCPConnector(limit=config.concurrency, ttl_dns_cache=300)
+    connector = Connector(limit=config.concurrency, ttl_dns_cache=300)
     session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
     session._retry_connection = False
     return session

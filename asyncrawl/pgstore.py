@@ -19,7 +19,9 @@ job together. The job-queue pattern of pgqueuer and procrastinate:
   holds them under a **lease** (``lease_until``, on the database's clock, so hosts' clocks do
   not matter); its heartbeat extends the leases of what it holds; a dead process's leases run
   out and its IDs are claimed again; if its ``sent`` intent had been committed, the ID is
-  reported in doubt (possibly billed), exactly as on one machine;
+  reported in doubt (possibly billed), exactly as on one machine (``doubt`` as in
+  ``sqlstore``: 0 in doubt, 1 in doubt and fetched since, 2 unanswered, 3 unanswered and
+  fetched since);
 * **job-wide signals**, read by every heartbeat (every ``HEARTBEAT`` s): a fatal halt
   (401/402) published by one process stops all of them; a pause (429 with Retry-After) holds
   all of them; each process takes ``1 / processes at work`` of the job's rate and burst (an
@@ -192,7 +194,8 @@ ON CONFLICT (job, id) DO UPDATE SET
         CASE WHEN excluded.state IN ('failed', 'perm') AND excluded.pass = 1
                   AND i.state IS DISTINCT FROM 'ok' THEN {NOW} + %(cool)s END
         ELSE i.lease_until END,
-    doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' THEN 1 ELSE i.doubt END
+    doubt = CASE WHEN i.doubt IN (0, 2) AND excluded.state = 'ok' THEN i.doubt + 1
+                 ELSE i.doubt END
 """
 # An intent is fenced by the lease: it is written (and the request may leave) only while the
 # ID is open (no ok, not unavailable) and this run's (leased to it, or leased to nobody and not
@@ -208,7 +211,8 @@ FROM unnest(%(id)s::text[]) AS v(id)
 ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1,
     lease_owner = excluded.lease_owner,
     lease_until = greatest(i.lease_until, excluded.lease_until),
-    doubt = CASE WHEN i.sent_run <> excluded.sent_run AND i.doubt IS NULL THEN 0
+    doubt = CASE WHEN i.sent_run <> excluded.sent_run AND (i.doubt IS NULL OR i.doubt = 2)
+                 THEN 0
                  ELSE i.doubt END
 WHERE (i.state IS NULL OR i.state IN ('failed', 'perm'))
     AND (i.lease_owner = %(run)s
@@ -483,7 +487,8 @@ class PgStore:
                        "WHERE job = %s", (self.job_name,))
             # the intents of runs that died: in doubt (possibly billed)
             db.execute(f"UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND {OPEN} "
-                       "AND sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,))
+                       "AND sent_run IS NOT NULL AND (doubt IS NULL OR doubt = 2)",
+                       (self.job_name,))
             db.execute(f"UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
                        f"lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
                        f"lease_owner IS NOT NULL) AND {OPEN} AND (lease_until IS NULL OR "
@@ -625,7 +630,8 @@ class PgStore:
         rows = db.execute(f"""
             UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
                 lease_until = {NOW} + %(lease)s,
-                doubt = CASE WHEN i.sent_run IS NOT NULL AND i.doubt IS NULL THEN 0
+                doubt = CASE WHEN i.sent_run IS NOT NULL AND (i.doubt IS NULL OR i.doubt = 2)
+                             THEN 0
                              ELSE i.doubt END,
                 sent_run = NULL
             FROM (SELECT id FROM asyncrawl_items
@@ -955,6 +961,10 @@ class PgStore:
                            (rec.paid, self.job_name, rec.id))
             elif kind == "run":
                 self._start_run(rec)
+            elif kind == "unanswered":  # (its outcome, if in this batch, is flushed later)
+                db.execute("UPDATE asyncrawl_items SET doubt = CASE WHEN state = 'ok' THEN 3 "
+                           "ELSE 2 END WHERE job = %s AND id = %s AND doubt IS NULL",
+                           (self.job_name, rec.id))
             elif kind == "halt":
                 db.execute("UPDATE asyncrawl_runs SET halt_reason = %s, halt_status = %s, "
                            "halt_message = %s WHERE run = %s",
@@ -1012,7 +1022,7 @@ class PgStore:
         cut = list(extra.get("in_doubt", ()))
         if cut:
             db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND id = ANY(%s) "
-                       "AND doubt IS NULL", (self.job_name, cut))
+                       "AND (doubt IS NULL OR doubt = 2)", (self.job_name, cut))
         # ended first: a claim of this run still under way (its run row locked FOR SHARE) is
         # waited for, so its leases are among those cleared next; a later one takes nothing
         db.execute(f"UPDATE asyncrawl_runs SET ended = {NOW}, error = %s, merging = false "
@@ -1040,13 +1050,16 @@ class PgStore:
                 keys = tuple((day, key, int(a), int(b)) for day, key, a, b in db.execute(
                     "SELECT day, key, sum(sent), sum(billable) FROM asyncrawl_key_ledger "
                     "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)))
-            doubt = dict(db.execute("SELECT doubt, count(*) FROM asyncrawl_items WHERE job = %s "
-                                    "AND doubt IS NOT NULL GROUP BY doubt",
-                                    (self.job_name,)).fetchall())
+            doubt, unsure = {}, 0  # (IDs by doubt; their calls not known answered ok)
+            for value, n, calls in db.execute(
+                    "SELECT doubt, count(*), sum(greatest(sends - paid, 0)) FROM asyncrawl_items "
+                    "WHERE job = %s AND doubt IS NOT NULL GROUP BY doubt", (self.job_name,)):
+                doubt[value], unsure = n, unsure + int(calls or 0)
             live = self._runs_alive(db, LIVE)
-            open_sent = db.execute(
-                f"SELECT count(*) FROM asyncrawl_items WHERE job = %s AND {OPEN} AND "
-                "sent_run IS NOT NULL AND doubt IS NULL", (self.job_name,)).fetchone()[0]
+            open_sent, open_unanswered = db.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM asyncrawl_items "
+                f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND (doubt IS NULL OR "
+                "doubt = 2)", (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM asyncrawl_runs "
@@ -1059,7 +1072,10 @@ class PgStore:
                         in_doubt=doubt.get(0, 0) + (open_sent if not live else 0),
                         billed_twice=doubt.get(1, 0), in_flight=open_sent if live else 0,
                         runs=runs, halt=halt, job=self.job, running=live or None,
-                        ledger=tuple(ledger), keys=keys)
+                        ledger=tuple(ledger), keys=keys,
+                        unanswered=doubt.get(2, 0) - (open_unanswered if not live else 0),
+                        unanswered_refetched=doubt.get(3, 0),
+                        unsure_calls=unsure + open_sent - open_unanswered)
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = list(EXPORT_STATES[outcome])
@@ -1094,12 +1110,22 @@ class PgStore:
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         with self._db("control", "read the job") as db:
             live = self._runs_alive(db, LIVE)
-            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IS NOT NULL"
+            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IN (0, 1)"
             if not live:
                 query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
             rows = db.execute(query + ") ORDER BY id", (self.job_name,)).fetchall()
         for item, doubt in rows:
             yield item, doubt == 1
+
+    def unanswered(self) -> Iterator[tuple[str, bool]]:
+        with self._db("control", "read the job") as db:
+            live = self._runs_alive(db, LIVE)
+            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND doubt IN (2, 3)"
+            if not live:  # (a dead run's open intents are in doubt instead)
+                query += f" AND NOT ({OPEN} AND sent_run IS NOT NULL)"
+            rows = db.execute(query + " ORDER BY id", (self.job_name,)).fetchall()
+        for item, doubt in rows:
+            yield item, doubt == 3
 
     async def close(self) -> None:
         await asyncio.to_thread(self._close_sync)

@@ -12,6 +12,8 @@ A run writes records; a store keeps them and answers from them. Kinds:
 ``ok``         the ID's result (``raw``: the body as received, or ``data``)       } outcome
 ``failed``     the ID failed in this pass (``permanent``: a 4xx, not a give-up)   } records:
 ``unavailable`` the ID failed again in pass 2 (confirmed)                         } an ID's state
+``unanswered`` a request for the ID left and no answer came (a timeout after the connect, a
+               dropped connection): it may have reached the server, possibly billed
 ``billed``     2xx answers of an ID left unsettled at the end of a pass (``paid``)
 ``halt``       why a run stopped early (``status``, ``error``; ``extra``: reason)
 ``mark``       how far into its IDs file the run has got: every ID before ``extra["frontier"]``
@@ -43,7 +45,7 @@ OUTCOME_KINDS = ("ok", "failed", "unavailable")
 EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("unavailable",)}
 # ``export``'s choices (here, beside the states they read, so that the command line offers them
 # without importing the report module and the stores behind it)
-EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt")
+EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt", "unanswered")
 EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
 
@@ -115,6 +117,14 @@ class Record(_RecordFields):
         fingerprint ``key``, when there are ``[request] keys``)."""
         return tuple.__new__(cls, ("sent", id, None, None, False, None, 1, 0, 0, time.time(),
                                    None, None, key))
+
+    @classmethod
+    def unanswered(cls, id: str) -> Record:
+        """The record that a request for ``id`` left and got no answer (a timeout after the
+        connect, a dropped connection): it may have reached the server, possibly billed
+        (possibly billed twice once the ID is fetched)."""
+        return tuple.__new__(cls, ("unanswered", id, None, None, False, None, 1, 0, 0,
+                                   time.time(), None, None, None))
 
     def unsent(self, earlier: bool = False) -> Record:
         """The record that this ``sent`` intent's request did not leave (``unsent``).
@@ -223,6 +233,14 @@ class Snapshot:
     ledger: tuple[tuple[str, str, int], ...] = ()  # (UTC date, endpoint, billable) as recorded
     # (UTC date, API key fingerprint, sent, billable): calls per key ([request] keys)
     keys: tuple[tuple[str, str, int, int], ...] = ()
+    # IDs with a request that left and got no answer (a timeout after the connect, a dropped
+    # connection: possibly billed), not in doubt; and of those, the ones fetched ok since
+    # (possibly billed twice)
+    unanswered: int = 0
+    unanswered_refetched: int = 0
+    # calls sent whose answer is not known (of the IDs in doubt or unanswered, those not
+    # answered 2xx; in flight): at most this many more than ``billable`` may be billed
+    unsure_calls: int = 0
 
     @property
     def billable_by_day(self) -> dict[str, int]:

@@ -36,9 +36,10 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     endpoint, both as recorded with each call (state imported from a journal that did not
     record its endpoint: the state's job's, else one derived from ``config.url``;
     ``endpoint=None``: unknown, e.g. no config was given; a string: that endpoint).
-    ``not_billed`` counts the calls sent without a 2xx answer (error answers, timeouts, dropped
-    connections), from the store's note written before each send, minus the calls whose answer
-    was lost in a crash (``in_doubt``: possibly billed).
+    ``not_billed`` counts the calls answered without a 2xx (error answers), from the store's
+    note written before each send: the calls sent, minus the billable ones, minus those whose
+    answer is not known (``no_answer``: sent when a run was cut off, timed out after the
+    connect or cut by a dropped connection, or in flight; possibly billed).
     """
     store = read_store(config.state, job=config.job)
     snap = store.snapshot()
@@ -61,7 +62,6 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     if snap.halt is not None:
         halt = {"status": snap.halt.status, "message": config.redact(snap.halt.message),
                 "reason": snap.halt.reason}
-    doubt = snap.in_doubt + snap.billed_twice + snap.in_flight
     out: dict[str, Any] = {
         **snap.counts.as_dict(),
         "halt": halt,
@@ -70,9 +70,12 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         "ledger": ledger,
         "keys": keys,
         "requests_sent": snap.sent,
-        "not_billed": max(0, snap.sent - billable - doubt) if snap.sent else None,
+        "not_billed": max(0, snap.sent - billable - snap.unsure_calls) if snap.sent else None,
+        "no_answer": snap.unsure_calls,
         "in_doubt": snap.in_doubt,
         "possibly_billed_twice": snap.billed_twice,
+        "unanswered": snap.unanswered,
+        "unanswered_refetched": snap.unanswered_refetched,
         "in_flight": snap.in_flight,
         "running": snap.running,  # a shared job: how many processes work on it
         "shared": config.state_url is not None,
@@ -112,13 +115,18 @@ def status_text(s: dict[str, Any]) -> str:
         lines.append(f"  {row['date']} UTC  key {row['key']}  {row['billable']:,} billable of "
                      f"{row['sent']:,} calls sent")
     if s["not_billed"] is not None:
-        lines.append(f"not billed   {s['not_billed']:,} calls  (error answers, timeouts, dropped "
-                     f"connections: a provider may bill the last two; {s['requests_sent']:,} "
-                     "calls sent in all)")
+        lines.append(f"not billed   {s['not_billed']:,} calls  (error answers; "
+                     f"{s['requests_sent']:,} calls sent in all, {s['no_answer']:,} with no answer "
+                     "known: possibly billed)")
     if s["in_doubt"] or s["possibly_billed_twice"]:
         lines.append(f"in doubt     {s['in_doubt']:,} sent when a run was cut off, no result kept "
                      f"(possibly billed), and {s['possibly_billed_twice']:,} more fetched again "
                      "since (possibly billed twice): asyncrawl export --outcome in-doubt")
+    if s.get("unanswered") or s.get("unanswered_refetched"):
+        lines.append(f"unanswered   {s['unanswered']:,} sent with no answer (a timeout after "
+                     "the connect, a dropped connection: possibly billed), and "
+                     f"{s['unanswered_refetched']:,} more fetched since (possibly billed twice): "
+                     "asyncrawl export --outcome unanswered")
     if s["running"] is not None:
         who = (f"{s['running']} process{'es' if s['running'] != 1 else ''}"
                if s.get("shared") else f"pid {s['running']}")
@@ -147,8 +155,9 @@ def status_text(s: dict[str, Any]) -> str:
 def _records(config: Config, outcome: str) -> Iterator[dict[str, Any]]:
     """The rows to export, streamed from the store (opened now: a wrong --state fails here)."""
     store = read_store(config.state, job=config.job)
-    if outcome == "in-doubt":
-        return ({"id": item, "refetched": twice} for item, twice in store.in_doubt())
+    if outcome in ("in-doubt", "unanswered"):
+        pairs = store.in_doubt() if outcome == "in-doubt" else store.unanswered()
+        return ({"id": item, "refetched": twice} for item, twice in pairs)
     return (_plain(rec, outcome) for rec in store.records(outcome))
 
 
@@ -187,7 +196,7 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         if fields:  # a misspelt field is an error, not an empty column
             _check_fields(rows(), fields, lambda row: row)
         return write_parquet(rows, Path(path), fields, _get, _MISSING)
-    if fmt == "ids" and outcome != "in-doubt":
+    if fmt == "ids" and outcome not in ("in-doubt", "unanswered"):
         blocks = read_store(config.state, job=config.job).ids(outcome)
         if path is None:
             assert out is not None

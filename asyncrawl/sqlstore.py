@@ -24,8 +24,11 @@ Tables (``records.py`` says what each record means)::
         payload and ``pieces`` in how many (NULL: one, written by schema 3; ``data``: where
         schema 2 and before kept it, in the row); ``sent_run`` the run whose ``sent``
         intent has no outcome yet; ``sends`` the requests ever sent for it;
-        ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept) or 1 (in
-        doubt and fetched ok since: possibly billed twice)
+        ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept), 1 (in
+        doubt and fetched ok since: possibly billed twice), 2 (unanswered: a request left
+        and got no answer, a timeout after the connect or a dropped connection: possibly
+        billed) or 3 (unanswered and fetched ok since: possibly billed twice); a crash
+        makes an unanswered ID whose intent it leaves open in doubt (2 to 0)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
                                             ``results`` view casts to text), appended, in
                                             pieces that fill its pages (``_cut``)
@@ -187,7 +190,7 @@ ON CONFLICT (id) DO UPDATE SET
     pieces = iif(state = 'ok', pieces, excluded.pieces),
     paid = paid + excluded.paid,
     sent_run = NULL,
-    doubt = iif(doubt = 0 AND excluded.state = 'ok', 1, doubt)
+    doubt = iif(doubt IN (0, 2) AND excluded.state = 'ok', doubt + 1, doubt)
 """
 # A batch's intents: its IDs as one JSON array (one parameter, not three a row), or, where an
 # ID holds a NUL (which json_each of SQLite before 3.45 cuts the string at), as rows.
@@ -701,13 +704,17 @@ class SqliteStore:
                 return
             db.execute("INSERT OR REPLACE INTO meta VALUES ('frontier', ?)",
                        (orjson.dumps((rec.extra or {})["frontier"]).decode(),))
+        elif rec.kind == "unanswered":  # (after the ID's outcome, if the batch holds it)
+            db.execute("UPDATE items SET doubt = iif(state = 'ok', 3, 2) WHERE id = ? AND "
+                       "doubt IS NULL", (rec.id,))
         elif rec.kind == "halt":
             db.execute("UPDATE runs SET halt_reason = ?, halt_status = ?, halt_message = ? "
                        "WHERE run = ?", ((rec.extra or {}).get("reason"), rec.status, rec.error,
                                          self._run))
         elif rec.kind == "end":
             extra = rec.extra or {}
-            db.executemany("UPDATE items SET doubt = 0 WHERE id = ? AND doubt IS NULL",
+            db.executemany("UPDATE items SET doubt = 0 WHERE id = ? AND "
+                           "(doubt IS NULL OR doubt = 2)",
                            [(item,) for item in extra.get("in_doubt", ())])
             db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
             db.execute("UPDATE runs SET ended = ?, error = ? WHERE run = ?",
@@ -731,23 +738,36 @@ class SqliteStore:
             if self._version >= 2:
                 keys = tuple(db.execute("SELECT day, key, sent, billable FROM key_ledger "
                                         "ORDER BY day, key"))
-            doubt = dict(db.execute("SELECT doubt, count(*) FROM items WHERE doubt IS NOT NULL "
-                                    "GROUP BY doubt"))
-            open_sent = db.execute(f"SELECT count(*) FROM items WHERE {OPEN} AND sent_run "
-                                   "IS NOT NULL AND doubt IS NULL").fetchone()[0]
+            doubt, unsure = {}, 0  # (IDs by doubt; their calls not known answered ok)
+            for value, n, calls in db.execute("SELECT doubt, count(*), sum(max(sends - paid, 0)) "
+                                              "FROM items WHERE doubt IS NOT NULL GROUP BY doubt"):
+                doubt[value], unsure = n, unsure + (calls or 0)
+            open_sent, open_unanswered = db.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM items WHERE {OPEN} "
+                "AND sent_run IS NOT NULL AND (doubt IS NULL OR doubt = 2)").fetchone()
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
-            unapplied = len(self._unapplied_intents())
+            ids = self._unapplied_intents()
+            unapplied, logged_unanswered = len(ids), 0
+            if ids:  # (an unanswered ID whose next intent the log alone holds)
+                logged_unanswered = db.execute(
+                    "SELECT count(*) FROM items WHERE doubt = 2 AND sent_run IS NULL AND id IN "
+                    "(SELECT value FROM json_each(?))", (orjson.dumps(ids).decode(),)).fetchone()[0]
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
                               "ORDER BY run DESC LIMIT 1").fetchone()
         halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
         counts = Counts(ok=tally.get("ok", 0), failed=tally.get("failed", 0) + tally.get("perm", 0),
                         unavailable=tally.get("unavailable", 0))
         open_sent += unapplied
-        in_doubt = doubt.get(0, 0) + (open_sent if running is None else 0)
-        return Snapshot(counts=counts, sent=sent + unapplied, in_doubt=in_doubt,
+        crashed = running is None  # (its open intents: in doubt, unanswered or not)
+        return Snapshot(counts=counts, sent=sent + unapplied,
+                        in_doubt=doubt.get(0, 0) + (open_sent if crashed else 0),
                         billed_twice=doubt.get(1, 0),
-                        in_flight=open_sent if running is not None else 0, runs=runs, halt=halt,
-                        job=self.job, running=running, ledger=tuple(ledger), keys=keys)
+                        in_flight=open_sent if not crashed else 0, runs=runs, halt=halt,
+                        job=self.job, running=running, ledger=tuple(ledger), keys=keys,
+                        unanswered=doubt.get(2, 0) - (open_unanswered + logged_unanswered
+                                                      if crashed else 0),
+                        unanswered_refetched=doubt.get(3, 0),
+                        unsure_calls=unsure + open_sent - open_unanswered)
 
     @contextlib.contextmanager
     def _with_payloads(self, columns: str, where: str,
@@ -802,7 +822,7 @@ class SqliteStore:
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
-        query = "SELECT id, doubt FROM items WHERE doubt IS NOT NULL"
+        query = "SELECT id, doubt FROM items WHERE doubt IN (0, 1)"
         if not running:  # a crashed run's open intents, not yet closed by a new run
             query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
         with self._reading():
@@ -811,6 +831,17 @@ class SqliteStore:
             if not running:
                 for item in self._unapplied_intents():
                     yield item, False
+
+    def unanswered(self) -> Iterator[tuple[str, bool]]:
+        running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
+        query = "SELECT id, doubt FROM items WHERE doubt IN (2, 3)"
+        if not running:  # (a crashed run's open intents are in doubt instead)
+            query += f" AND NOT ({OPEN} AND sent_run IS NOT NULL)"
+        with self._reading():
+            cut = set() if running else set(self._unapplied_intents())  # (in doubt instead)
+            for item, doubt in self._db.execute(query + " ORDER BY rowid"):
+                if item not in cut:
+                    yield item, doubt == 3
 
     def _unapplied_intents(self) -> list[str]:
         """The IDs whose ``sent`` intent ``intents.log`` holds beyond what the database has
@@ -825,7 +856,7 @@ class SqliteStore:
             return []
         known = set(orjson.loads(self._db.execute(
             "SELECT json_group_array(id) FROM items WHERE id IN (SELECT value FROM json_each(?)) "
-            "AND (state IN ('ok', 'unavailable') OR sent_run IS NOT NULL OR doubt IS NOT NULL)",
+            "AND (state IN ('ok', 'unavailable') OR sent_run IS NOT NULL OR doubt IN (0, 1))",
             (orjson.dumps(ids).decode(),)).fetchone()[0]))
         return [item for item in ids if item not in known]
 
@@ -1094,7 +1125,8 @@ def _same_file(a: Any, b: dict[str, Any]) -> bool:
 
 
 def _close_open_intents(db: sqlite3.Connection) -> None:
-    db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND doubt IS NULL")
+    db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND "
+               "(doubt IS NULL OR doubt = 2)")
     db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
 
 

@@ -40,7 +40,11 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``payloads()``             stream ``(id, payload)`` for the ``ok`` IDs, the payload as stored (JSON,
                            UTF-8 bytes; None where the ok record kept none), in
                            ``records("ok")``'s order
-``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off
+``in_doubt()``             stream ``(id, refetched)`` for the IDs sent when a run was cut off,
+                           no result kept
+``unanswered()``           stream ``(id, refetched)`` for the IDs with a request that got no
+                           answer (a timeout after the connect, a dropped connection), not in
+                           doubt
 ``close()``                release the lock and the files (awaitable)
 =========================  ==========================================================================
 
@@ -90,6 +94,8 @@ class Store(Protocol):
     def payloads(self) -> Iterator[tuple[str, bytes | None]]: ...
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]: ...
+
+    def unanswered(self) -> Iterator[tuple[str, bool]]: ...
 
     async def close(self) -> None: ...
 

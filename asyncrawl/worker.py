@@ -355,6 +355,8 @@ class Worker:
             first = self._first(item)  # (what this try says of the API: before it counts)
             attempt = await self._send(item, lane, first, request)
             del held[id(item)]  # no await from here on: it is parked or settled below
+            if attempt.unanswered:  # possibly billed, whatever comes of the ID now
+                self.sink.put(Record.unanswered(item.id))
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429

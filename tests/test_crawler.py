@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncrawl import Config, Crawler, InputError, Outcome, Progress, Response, Result
-from asyncrawl.report import export
+from asyncrawl.report import export, status, status_text
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
 from .conftest import KEY, db_rows, fast_config, outcomes_of
@@ -346,6 +346,57 @@ async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> 
         with pytest.raises(RuntimeError, match="request_for hook raised CancelledError"):
             await asyncio.wait_for(Crawler(fast_config(api, state / "c"), request_for=cancels).run(
                 ["c"]), 30)
+
+
+async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed(
+        state: Path) -> None:
+    """A timeout after the connect or a dropped connection may come after the server took
+    (and billed) the request: its retry was paid again with nothing said (a process frozen
+    while its answers came in saw only timeouts). Such an ID is listed as unanswered, and
+    possibly billed twice once it is fetched; the in-doubt list (a run cut off) stays as it
+    was."""
+    faults = {"dropped": Fault("drop", times=1), "late": Fault("slow", delay=1.0)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, timeout=0.3, max_tries=2)
+        s = await Crawler(cfg).run(["fine", "dropped", "late"])
+    assert (s.ok, s.unavailable) == (2, 1)
+    assert sorted(db_rows(state, "SELECT id, doubt FROM items WHERE doubt IS NOT NULL")) == [
+        ("dropped", 3), ("late", 2)]
+    assert {r["id"]: r["refetched"] for r in exported(cfg, "unanswered")} == {
+        "dropped": True, "late": False}
+    assert exported(cfg, "in-doubt") == []
+    st = status(cfg)
+    assert (st["unanswered"], st["unanswered_refetched"], st["in_doubt"]) == (1, 1, 0)
+    # each try of "late" timed out, and the server may have billed each one
+    assert (st["requests_sent"], st["billable"], st["no_answer"], st["not_billed"]) == (
+        7, 2, 5, 0)  # (1 + 2 + 4: "late" twice in each pass)
+    assert 2 < len(api.paid()) <= st["billable"] + st["no_answer"]  # what the server billed
+    assert "unanswered   1 sent with no answer" in status_text(st)
+
+
+async def test_a_timeout_before_the_request_had_its_connection_sent_nothing(
+        state: Path) -> None:
+    """A timeout while waiting for a pooled connection (an injected session that holds fewer
+    connections than the workers) sent nothing: not unanswered. Where the session's
+    connector cannot say (an application's own), the failure counts as possibly sent."""
+    from asyncrawl.fetch import Connector
+
+    async def handle(request: web.Request) -> web.Response:
+        await asyncio.sleep(2.0)
+        return web.json_response({"id": request.match_info["id"]})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", handle)
+    async with TestServer(app) as server:
+        for connector, want in ((Connector, 1), (aiohttp.TCPConnector, 2)):
+            where = state / connector.__name__
+            cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}",
+                         state_dir=str(where), rate=100.0, concurrency=2, max_tries=1,
+                         cooldown=0.0, timeout=0.5, second_pass=False)
+            async with aiohttp.ClientSession(connector=connector(limit=1)) as session:
+                session._retry_connection = False
+                await Crawler(cfg, session=session).run(["a", "b"])
+            assert status(cfg)["unanswered"] == want, connector
 
 
 @pytest.mark.parametrize("sync", [False, True])

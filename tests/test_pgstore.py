@@ -197,6 +197,27 @@ async def test_a_slow_async_id_source_is_crawled_as_its_ids_come_in_a_shared_job
     assert fetched[0] >= 40  # (1 before: the rest waited for the source's end)
 
 
+async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed_in_a_job(
+        job: str) -> None:
+    """As on a local state (test_crawler): a dropped connection or a timeout after the
+    connect lists the ID as unanswered; fetched since, it is possibly billed twice."""
+    from asyncrawl import Crawler
+
+    faults = {"dropped": Fault("drop", times=1), "late": Fault("slow", delay=1.0)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job, timeout=0.3, max_tries=2)
+        async with Crawler(cfg) as c:
+            s = await c.run(["fine", "dropped", "late"])
+    assert (s.ok, s.unavailable) == (2, 1)
+    assert sorted(pg_rows("SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND doubt IS "
+                          "NOT NULL", job)) == [("dropped", 3), ("late", 2)]
+    snap = read_store(PG, job=job).snapshot()
+    assert (snap.unanswered, snap.unanswered_refetched, snap.in_doubt, snap.unsure_calls) == (
+        1, 1, 0, 5)
+    assert dict(read_store(PG, job=job).unanswered()) == {"dropped": True, "late": False}
+    assert list(read_store(PG, job=job).in_doubt()) == []
+
+
 def _run(config: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "asyncrawl", "run", "-c", str(config),
                              "--no-progress", *extra], stdout=subprocess.PIPE,

@@ -339,6 +339,48 @@ async def test_intents_only_the_log_holds_are_in_doubt_and_applied_at_the_next_o
     assert dict(read_store(state).in_doubt()) == {"c": True, "d": False}
 
 
+async def test_an_unanswered_id_whose_intent_a_crash_leaves_open_is_in_doubt_instead(
+        tmp_path: Path) -> None:
+    """``unanswered`` (a timeout after the connect, a dropped connection) lists an ID apart
+    from the in-doubt list, which keeps its meaning: sent when a run was cut off. An
+    unanswered ID whose retry was out at a crash is in doubt, not listed twice."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("a"), Record.sent("b")])
+    store.commit([Record.unanswered("a"), Record.unanswered("b"), Record.sent("a"),
+                  Record.sent("b")])
+    store.commit([Record("ok", "b", status=200, data=1, paid=1, ts=TS)])
+    _die(store)  # a's second request out
+    await store.close()
+    assert dict(read_store(state).in_doubt()) == {"a": False}
+    assert dict(read_store(state).unanswered()) == {"b": True}
+    snap = read_store(state).snapshot()
+    assert (snap.in_doubt, snap.unanswered, snap.unanswered_refetched) == (1, 0, 1)
+    store = await open_store(state)
+    await store.close()
+    assert db_rows(state, "SELECT id, doubt FROM items ORDER BY id") == [("a", 0), ("b", 3)]
+    assert dict(read_store(state).in_doubt()) == {"a": False}
+
+
+async def test_an_unanswered_id_whose_next_intent_only_the_log_holds_is_in_doubt_only(
+        tmp_path: Path) -> None:
+    """An unanswered ID whose retry's intent is in ``intents.log`` alone (the writing process
+    ended before applying it) is in doubt, and not listed as unanswered as well."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    store.commit([Record("run", ts=TS, extra={"job": JOB}), Record.sent("a")])
+    store.commit([Record.unanswered("a"),
+                  Record("failed", "a", status=None, error="timeout", tries=1, ts=TS)])
+    applied = int(db_rows(state, "SELECT value FROM meta WHERE key = 'applied'")[0][0])
+    _die(store)
+    await store.close()
+    (state / "intents.log").write_bytes(orjson.dumps([applied + 1, "a", TS, None]) + b"\n")
+    assert (dict(read_store(state).in_doubt()), dict(read_store(state).unanswered())) == (
+        {"a": False}, {})
+    snap = read_store(state).snapshot()
+    assert (snap.in_doubt, snap.unanswered, snap.unsure_calls, snap.sent) == (1, 0, 2, 2)
+
+
 async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path: Path) -> None:
     """The ``run`` record is durable in ``intents.log`` like the intents that follow it (a run's
     first requests do not wait for the database): where the writing process died before
