@@ -40,6 +40,7 @@ class Tally:
     duplicates: int = 0
     retries: int = 0  # of passes that ended (the running pass's are the workers')
     requests: int = 0  # likewise
+    unanswered: int = 0  # likewise: tries with no answer after their connect (possibly billed)
     billable: int = 0
 
     @property

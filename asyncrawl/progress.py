@@ -378,7 +378,9 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
         rows.append(("already done", f"{s.skipped:,} (skipped, not fetched again)"))
     if s.duplicates:
         rows.append(("duplicates", f"{s.duplicates:,} (fetched once)"))
-    rows.append(("requests", f"{s.requests:,} ({s.billable:,} billable, {s.retries:,} retries)"))
+    rows.append(("requests", f"{s.requests:,} ({s.billable:,} billable, {s.retries:,} retries"
+                             + (f", {s.unanswered:,} unanswered: possibly billed, see "
+                                "`asyncrawl status`" if s.unanswered else "") + ")"))
     if errors:
         rows.append(("errors", " · ".join(f"{k} × {n:,}" for k, n in errors)))
     if price is not None:
@@ -407,5 +409,6 @@ def summary_fields(s: Summary, *, total: int | None = None) -> dict[str, Any]:
     return {"ok": s.ok, "failed": s.failed, "unavailable": s.unavailable, "left": left,
             "left_is_upper_bound": unread > 0, "fetched": s.fetched, "skipped": s.skipped,
             "duplicates": s.duplicates, "requests": s.requests, "billable": s.billable,
-            "retries": s.retries, "elapsed_s": round(s.elapsed, 3), "exit_code": s.exit_code,
+            "retries": s.retries, "unanswered": s.unanswered, "elapsed_s": round(s.elapsed, 3),
+            "exit_code": s.exit_code,
             "halt": s.halt.as_dict() if s.halt is not None else None, "state_dir": s.state_dir}

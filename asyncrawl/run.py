@@ -493,6 +493,7 @@ class Run:
             finally:  # (cancelled again meanwhile: the workers have stopped all the same)
                 self.tally.requests += workers.requests
                 self.tally.retries += workers.retries
+                self.tally.unanswered += workers.unanswered
                 if workers.left > 1:
                     log.warning("%d IDs whose lease this process lost were left to other "
                                 "processes of the job", workers.left)
@@ -642,7 +643,7 @@ class Run:
                        fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                        retries=t.retries, requests=t.requests, billable=t.billable,
                        halt=self.stop.halt, elapsed=time.monotonic() - self.meter.started,
-                       state_dir=store.location)
+                       state_dir=store.location, unanswered=t.unanswered)
 
 
 def check_job(cfg: Config, job: dict[str, Any] | None) -> None:

@@ -103,6 +103,9 @@ class Summary:
     halt: Halt | None
     elapsed: float
     state_dir: str
+    # requests with no answer after their connect (a timeout, a dropped connection): the
+    # server may have taken them, so possibly billed (``status``: ``unanswered``)
+    unanswered: int = 0
 
     @property
     def exit_code(self) -> int:

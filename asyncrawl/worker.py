@@ -290,6 +290,7 @@ class Worker:
         self.idle.set()
         self.requests = 0
         self.retries = 0
+        self.unanswered = 0  # tries that may have reached the server, with no answer
         self.left = 0  # IDs left to another process of the job (``_leave``)
 
     def __repr__(self) -> str:
@@ -356,6 +357,7 @@ class Worker:
             attempt = await self._send(item, lane, first, request)
             del held[id(item)]  # no await from here on: it is parked or settled below
             if attempt.unanswered:  # possibly billed, whatever comes of the ID now
+                self.unanswered += 1
                 self.sink.put(Record.unanswered(item.id))
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY

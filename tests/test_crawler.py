@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from asyncrawl import Config, Crawler, InputError, Outcome, Progress, Response, Result
+from asyncrawl.progress import summary_text
 from asyncrawl.report import export, status, status_text
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
@@ -359,7 +360,8 @@ async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed(
     async with MockAPI(api_key=KEY, faults=faults) as api:
         cfg = fast_config(api, state, timeout=0.3, max_tries=2)
         s = await Crawler(cfg).run(["fine", "dropped", "late"])
-    assert (s.ok, s.unavailable) == (2, 1)
+    assert (s.ok, s.unavailable, s.unanswered) == (2, 1, 5)  # ("late": twice a pass)
+    assert "5 unanswered: possibly billed" in summary_text(s)
     assert sorted(db_rows(state, "SELECT id, doubt FROM items WHERE doubt IS NOT NULL")) == [
         ("dropped", 3), ("late", 2)]
     assert {r["id"]: r["refetched"] for r in exported(cfg, "unanswered")} == {
