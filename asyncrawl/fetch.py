@@ -351,8 +351,6 @@ class Fetcher:
 
     async def _attempt(self, item_id: str, lane: int, req: Request | None) -> Attempt:
         cfg = self.config
-        if self._marks:
-            _CONNECTED.set(False)
         try:
             data: bytes | None = None
             if req is None:
@@ -363,6 +361,8 @@ class Fetcher:
             else:
                 method, url, headers, body = req.method, req.url, req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
+                if self._marks:  # (each hop: a redirect's answer came; its target's not yet)
+                    _CONNECTED.set(False)
                 async with self.session.request(
                     method, url, headers=headers, json=body, data=data, allow_redirects=False,
                     timeout=self.timeout, ssl=self._ssl, proxy=self._proxy,
