@@ -19,9 +19,8 @@ job together. The job-queue pattern of pgqueuer and procrastinate:
   holds them under a **lease** (``lease_until``, on the database's clock, so hosts' clocks do
   not matter); its heartbeat extends the leases of what it holds; a dead process's leases run
   out and its IDs are claimed again; if its ``sent`` intent had been committed, the ID is
-  reported in doubt (possibly billed), exactly as on one machine (``doubt`` as in
-  ``sqlstore``: 0 in doubt, 1 in doubt and fetched since, 2 unanswered, 3 unanswered and
-  fetched since);
+  reported in doubt (possibly billed), exactly as on one machine (``doubt``:
+  ``records.NOT_IN_DOUBT``);
 * **job-wide signals**, read by every heartbeat (every ``HEARTBEAT`` s): a fatal halt
   (401/402) published by one process stops all of them; a pause (429 with Retry-After) holds
   all of them; each process takes ``1 / processes at work`` of the job's rate and burst (an
@@ -71,6 +70,8 @@ from .config import endpoint_of, is_url
 from .errors import ConfigError, StorageError, require_extra
 from .records import (
     EXPORT_STATES,
+    I_NOT_IN_DOUBT,
+    NOT_IN_DOUBT,
     OUTCOME_KINDS,
     Counts,
     Record,
@@ -211,9 +212,8 @@ FROM unnest(%(id)s::text[]) AS v(id)
 ON CONFLICT (job, id) DO UPDATE SET sent_run = excluded.sent_run, sends = i.sends + 1,
     lease_owner = excluded.lease_owner,
     lease_until = greatest(i.lease_until, excluded.lease_until),
-    doubt = CASE WHEN i.sent_run <> excluded.sent_run AND (i.doubt IS NULL OR i.doubt = 2)
-                 THEN 0
-                 ELSE i.doubt END
+    doubt = CASE WHEN i.sent_run <> excluded.sent_run AND {I_NOT_IN_DOUBT}
+                 THEN 0 ELSE i.doubt END
 WHERE (i.state IS NULL OR i.state IN ('failed', 'perm'))
     AND (i.lease_owner = %(run)s
          OR (i.lease_owner IS NULL AND (i.lease_until IS NULL OR i.lease_until < {NOW})))
@@ -487,8 +487,7 @@ class PgStore:
                        "WHERE job = %s", (self.job_name,))
             # the intents of runs that died: in doubt (possibly billed)
             db.execute(f"UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND {OPEN} "
-                       "AND sent_run IS NOT NULL AND (doubt IS NULL OR doubt = 2)",
-                       (self.job_name,))
+                       f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}", (self.job_name,))
             db.execute(f"UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
                        f"lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
                        f"lease_owner IS NOT NULL) AND {OPEN} AND (lease_until IS NULL OR "
@@ -630,8 +629,7 @@ class PgStore:
         rows = db.execute(f"""
             UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
                 lease_until = {NOW} + %(lease)s,
-                doubt = CASE WHEN i.sent_run IS NOT NULL AND (i.doubt IS NULL OR i.doubt = 2)
-                             THEN 0
+                doubt = CASE WHEN i.sent_run IS NOT NULL AND {I_NOT_IN_DOUBT} THEN 0
                              ELSE i.doubt END,
                 sent_run = NULL
             FROM (SELECT id FROM asyncrawl_items
@@ -1022,7 +1020,7 @@ class PgStore:
         cut = list(extra.get("in_doubt", ()))
         if cut:
             db.execute("UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND id = ANY(%s) "
-                       "AND (doubt IS NULL OR doubt = 2)", (self.job_name, cut))
+                       f"AND {NOT_IN_DOUBT}", (self.job_name, cut))
         # ended first: a claim of this run still under way (its run row locked FOR SHARE) is
         # waited for, so its leases are among those cleared next; a later one takes nothing
         db.execute(f"UPDATE asyncrawl_runs SET ended = {NOW}, error = %s, merging = false "
@@ -1050,7 +1048,8 @@ class PgStore:
                 keys = tuple((day, key, int(a), int(b)) for day, key, a, b in db.execute(
                     "SELECT day, key, sum(sent), sum(billable) FROM asyncrawl_key_ledger "
                     "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)))
-            doubt, unsure = {}, 0  # (IDs by doubt; their calls not known answered ok)
+            doubt: dict[int, int] = {}  # IDs by doubt
+            unsure = 0  # (their calls not known answered ok)
             for value, n, calls in db.execute(
                     "SELECT doubt, count(*), sum(greatest(sends - paid, 0)) FROM asyncrawl_items "
                     "WHERE job = %s AND doubt IS NOT NULL GROUP BY doubt", (self.job_name,)):
@@ -1058,8 +1057,8 @@ class PgStore:
             live = self._runs_alive(db, LIVE)
             open_sent, open_unanswered = db.execute(
                 f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM asyncrawl_items "
-                f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND (doubt IS NULL OR "
-                "doubt = 2)", (self.job_name,)).fetchone()
+                f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}",
+                (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM asyncrawl_runs "

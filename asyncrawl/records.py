@@ -48,6 +48,12 @@ EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("u
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt", "unanswered")
 EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
+# An item's ``doubt`` in both stores: NULL, 0 (in doubt: sent when a run was cut off, no result
+# kept), 1 (in doubt and fetched ok since: possibly billed twice), 2 (``unanswered``: a request
+# got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An
+# ID a run is cut off on becomes in doubt where it is not already: this SQL condition.
+NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
+I_NOT_IN_DOUBT = NOT_IN_DOUBT.replace("doubt", "i.doubt")  # (beside an upsert's ``excluded``)
 
 
 class Commit(enum.Enum):

@@ -152,11 +152,15 @@ def status_text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# the outcomes that are lists of IDs the store streams as (id, refetched): its method for each
+_ID_LISTS = {"in-doubt": "in_doubt", "unanswered": "unanswered"}
+
+
 def _records(config: Config, outcome: str) -> Iterator[dict[str, Any]]:
     """The rows to export, streamed from the store (opened now: a wrong --state fails here)."""
     store = read_store(config.state, job=config.job)
-    if outcome in ("in-doubt", "unanswered"):
-        pairs = store.in_doubt() if outcome == "in-doubt" else store.unanswered()
+    if outcome in _ID_LISTS:
+        pairs = getattr(store, _ID_LISTS[outcome])()
         return ({"id": item, "refetched": twice} for item, twice in pairs)
     return (_plain(rec, outcome) for rec in store.records(outcome))
 
@@ -196,7 +200,7 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         if fields:  # a misspelt field is an error, not an empty column
             _check_fields(rows(), fields, lambda row: row)
         return write_parquet(rows, Path(path), fields, _get, _MISSING)
-    if fmt == "ids" and outcome not in ("in-doubt", "unanswered"):
+    if fmt == "ids" and outcome not in _ID_LISTS:
         blocks = read_store(config.state, job=config.job).ids(outcome)
         if path is None:
             assert out is not None

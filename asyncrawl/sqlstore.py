@@ -24,11 +24,8 @@ Tables (``records.py`` says what each record means)::
         payload and ``pieces`` in how many (NULL: one, written by schema 3; ``data``: where
         schema 2 and before kept it, in the row); ``sent_run`` the run whose ``sent``
         intent has no outcome yet; ``sends`` the requests ever sent for it;
-        ``doubt`` NULL, 0 (in doubt: sent when a run was cut off, no result kept), 1 (in
-        doubt and fetched ok since: possibly billed twice), 2 (unanswered: a request left
-        and got no answer, a timeout after the connect or a dropped connection: possibly
-        billed) or 3 (unanswered and fetched ok since: possibly billed twice); a crash
-        makes an unanswered ID whose intent it leaves open in doubt (2 to 0)
+        ``doubt`` NULL or 0 to 3: in doubt (a run cut off) or unanswered, and whether
+        fetched ok since (``records.NOT_IN_DOUBT``)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
                                             ``results`` view casts to text), appended, in
                                             pieces that fill its pages (``_cut``)
@@ -72,6 +69,7 @@ from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
 from .records import (
     EXPORT_STATES,
+    NOT_IN_DOUBT,
     OUTCOME_KINDS,
     Counts,
     Record,
@@ -713,8 +711,7 @@ class SqliteStore:
                                          self._run))
         elif rec.kind == "end":
             extra = rec.extra or {}
-            db.executemany("UPDATE items SET doubt = 0 WHERE id = ? AND "
-                           "(doubt IS NULL OR doubt = 2)",
+            db.executemany(f"UPDATE items SET doubt = 0 WHERE id = ? AND {NOT_IN_DOUBT}",
                            [(item,) for item in extra.get("in_doubt", ())])
             db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
             db.execute("UPDATE runs SET ended = ?, error = ? WHERE run = ?",
@@ -738,13 +735,14 @@ class SqliteStore:
             if self._version >= 2:
                 keys = tuple(db.execute("SELECT day, key, sent, billable FROM key_ledger "
                                         "ORDER BY day, key"))
-            doubt, unsure = {}, 0  # (IDs by doubt; their calls not known answered ok)
+            doubt: dict[int, int] = {}  # IDs by doubt
+            unsure = 0  # (their calls not known answered ok)
             for value, n, calls in db.execute("SELECT doubt, count(*), sum(max(sends - paid, 0)) "
                                               "FROM items WHERE doubt IS NOT NULL GROUP BY doubt"):
                 doubt[value], unsure = n, unsure + (calls or 0)
             open_sent, open_unanswered = db.execute(
                 f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM items WHERE {OPEN} "
-                "AND sent_run IS NOT NULL AND (doubt IS NULL OR doubt = 2)").fetchone()
+                f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}").fetchone()
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
             ids = self._unapplied_intents()
             unapplied, logged_unanswered = len(ids), 0
@@ -820,8 +818,12 @@ class SqliteStore:
         with self._with_payloads("i.id", "i.state = 'ok'") as rows:
             yield from rows
 
+    def _held(self) -> bool:
+        """Whether a run holds the state directory (this store's, or another process's)."""
+        return self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
+
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
-        running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
+        running = self._held()
         query = "SELECT id, doubt FROM items WHERE doubt IN (0, 1)"
         if not running:  # a crashed run's open intents, not yet closed by a new run
             query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
@@ -833,7 +835,7 @@ class SqliteStore:
                     yield item, False
 
     def unanswered(self) -> Iterator[tuple[str, bool]]:
-        running = self._lock_fd >= 0 or lock_holder(self.state_dir) is not None
+        running = self._held()
         query = "SELECT id, doubt FROM items WHERE doubt IN (2, 3)"
         if not running:  # (a crashed run's open intents are in doubt instead)
             query += f" AND NOT ({OPEN} AND sent_run IS NOT NULL)"
@@ -1126,7 +1128,7 @@ def _same_file(a: Any, b: dict[str, Any]) -> bool:
 
 def _close_open_intents(db: sqlite3.Connection) -> None:
     db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND "
-               "(doubt IS NULL OR doubt = 2)")
+               f"{NOT_IN_DOUBT}")
     db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
 
 
