@@ -54,11 +54,13 @@ def tune_gc() -> None:
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
-def run_loop(main: Coroutine[Any, Any, T]) -> T:
+def run_loop(main: Coroutine[Any, Any, T], *, writer: bool = True) -> T:
     """Run ``main`` in the event loop of the CLI's crawls (``run``, ``demo``): uvloop's when the
     ``fast`` extra is installed (``pip install 'asyncrawl[fast]'``), else asyncio's.
     ``ASYNCRAWL_LOOP=asyncio`` keeps asyncio's; ``=uvloop`` insists on uvloop. The CLI owns its
-    process, so it picks the loop; the library runs in whatever loop the application has."""
+    process, so it picks the loop, and forks the SQLite state's writing process ahead (where
+    ``writer``: ``sqlproc.Zygote``); the library runs in whatever loop the application has,
+    and spawns that process."""
     choice = os.environ.get("ASYNCRAWL_LOOP", "auto").strip().lower() or "auto"
     factory = None
     try:
@@ -78,8 +80,18 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
         raise
     import asyncio
 
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(main)
+    from .sqlproc import ZYGOTE, Zygote
+    from .sqlstore import serve_writes
+
+    zygote = Zygote.start(serve_writes) if writer else None
+    token = ZYGOTE.set(zygote)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main)
+    finally:
+        ZYGOTE.reset(token)
+        if zygote is not None:
+            zygote.close()
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -489,7 +501,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 Metrics.check()
             summary, errors = run_loop(_run(config, ids_path=ids_path, total=total,
                                             metrics_at=args.metrics,
-                                            progress=not args.no_progress))
+                                            progress=not args.no_progress),
+                                       writer=config.state_url is None)
         finally:
             if spooled:
                 os.unlink(spooled)

@@ -1,5 +1,6 @@
-"""[4c] The entry point of the SQLite store's writing process (``sqlproc``): ``run([STATE_DIR,
-READ_FD, ANSWER_FD])``, called by ``sqlproc.BOOT`` in the process a run's store starts (or
+"""[4c] The entry point of the SQLite store's writing process (``sqlproc``) where it is spawned
+(a forked one runs ``sqlstore.serve_writes`` directly): ``run([STATE_DIR, READ_FD, ANSWER_FD])``,
+called by ``sqlproc.BOOT`` in the process a run's store starts (or
 ``python -m asyncrawl.sqlchild STATE_DIR READ_FD ANSWER_FD``)."""
 
 from __future__ import annotations
@@ -8,18 +9,11 @@ import os
 import sys
 from pathlib import Path
 
-from .sqlproc import serve
-from .sqlstore import DB, SqliteStore, _connect
+from .sqlstore import serve_writes
 
 
 def main(argv: list[str]) -> int:
-    state_dir = Path(argv[0])
-    db = _connect(state_dir / DB)
-    try:
-        return serve(SqliteStore(state_dir, db).apply_batch, int(argv[1]), int(argv[2]),
-                     state_dir)
-    finally:
-        db.close()
+    return serve_writes(Path(argv[0]), int(argv[1]), int(argv[2]))
 
 
 def run(argv: list[str]) -> None:

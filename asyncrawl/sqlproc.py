@@ -40,6 +40,7 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,7 @@ from .records import Record
 
 if TYPE_CHECKING:  # (``status`` and ``export`` import this module, not asyncio)
     import asyncio
+    import subprocess
 
 INTENTS = "intents.log"
 CUT_AT = 4 << 20  # bytes of intent log after which it is emptied, once all of it is applied
@@ -203,19 +205,26 @@ class WriterProcess:
 
     logged = LOGGED
 
-    def __init__(self, state_dir: Path, lock_fd: int, seq: int) -> None:
+    def __init__(self, state_dir: Path, lock_fd: int, seq: int,
+                 zygote: Zygote | None = None) -> None:
+        """Start the child: hand the run to ``zygote`` where given (and not used yet), else
+        spawn a new interpreter that runs ``sqlchild``."""
         self.path = state_dir
-        import subprocess  # (here: ``status`` and ``export`` import this module, not it)
-
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # (Linux; the default is 64 KiB)
             fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results fits
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-P", "-c", BOOT, PACKAGE, str(state_dir), str(to_child),
-                 str(from_child)], pass_fds=(to_child, from_child, lock_fd),
-                stdin=subprocess.DEVNULL)
+            forked = zygote.take(state_dir, to_child, from_child, lock_fd) if zygote else None
+            if forked is not None:
+                self._proc: Forked | subprocess.Popen[bytes] = forked
+            else:
+                import subprocess  # (here: ``status`` and ``export`` import this module)
+
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-P", "-c", BOOT, PACKAGE, str(state_dir), str(to_child),
+                     str(from_child)], pass_fds=(to_child, from_child, lock_fd),
+                    stdin=subprocess.DEVNULL)
         except OSError as e:
             for fd in (to_child, from_child, self._out, self._in):
                 os.close(fd)
@@ -336,6 +345,165 @@ class WriterProcess:
 
 
 # -- the child -----------------------------------------------------------------------------------
+
+class Forked:
+    """A child forked from this process: ``subprocess.Popen``'s ``pid``, ``poll``, ``wait`` and
+    ``kill`` for it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _reaped(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # (reaped by someone else: SIGCHLD ignored, say)
+                self.returncode = 0
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self) -> int:
+        while (code := self._reaped(0)) is None:
+            pass
+        return code
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+class Zygote:
+    """A writing process forked ahead, before the crawl has a thread, an event loop or a
+    database connection (``cli.run_loop``), that waits to be handed a run's pipes and its state
+    directory's lock (``take``) and then serves it (``target(state_dir, read_fd, answer_fd)``:
+    ``sqlstore.serve_writes``).
+
+    Spawned instead, a new interpreter and its imports take 60-100 ms that the run's first
+    requests wait for (their ``sent`` intents are the child's to log): ~6 % of a 20,000-request
+    crawl at the stack's limit (bench/README.md, stops 39-40). Forked at the run's open, the
+    child would hold copies of what other threads lock at that instant and of SQLite's
+    per-process state of the database the run has open (which then fails: "locking
+    protocol"); forked here, nothing of that exists yet. The child closes every descriptor but
+    its socket and the standard streams, ignores SIGINT and SIGTERM (the run's to handle), and
+    ends at the socket's end if it is never handed a run (``close``)."""
+
+    def __init__(self, target: Callable[[Path, int, int], int]) -> None:
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):  # (not written twice by a copy of its buffer)
+            with contextlib.suppress(Exception):
+                stream.flush()
+        # no signal handler of the parent's runs in the child before it has its own
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _zygote(target, theirs.fileno(), mask)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            theirs.close()
+        self._socket: socket.socket | None = ours
+        self.process = Forked(pid)
+
+    @classmethod
+    def start(cls, target: Callable[[Path, int, int], int]) -> Zygote | None:
+        """A zygote, where this platform and thread allow one (else ``None``: spawned)."""
+        import socket
+
+        if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or (
+                threading.current_thread() is not threading.main_thread()):
+            return None
+        try:
+            return cls(target)
+        except OSError:
+            return None
+
+    def take(self, state_dir: Path, rfd: int, wfd: int, lock_fd: int) -> Forked | None:
+        """Hand the child a run (copies of the descriptors): it is that run's writing process
+        from now on. ``None`` if it was handed one already, or is gone."""
+        import socket
+
+        ours, self._socket = self._socket, None
+        if ours is None:
+            return None
+        try:
+            socket.send_fds(ours, [os.fsencode(state_dir)], [rfd, wfd, lock_fd])
+        except OSError:
+            self.process.kill()
+            self.process.wait()
+            return None
+        finally:
+            ours.close()
+        return self.process
+
+    def close(self) -> None:
+        """If it was never handed a run: end it and wait for it (a few ms)."""
+        ours, self._socket = self._socket, None
+        if ours is not None:
+            ours.close()
+            self.process.wait()
+
+
+# a zygote for this context's runs, if any: ``cli.run_loop`` sets it
+ZYGOTE: ContextVar[Zygote | None] = ContextVar("asyncrawl_zygote", default=None)
+
+
+def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
+            mask: set[signal.Signals]) -> None:
+    """The forked child: shed what is the parent's, wait for a run, serve it; never returns
+    (it would run on in the parent's code)."""
+    code = 70
+    try:
+        import gc
+        import logging
+        import socket
+
+        for sig in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError):
+                if callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the run's to handle)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        gc.freeze()  # the parent's objects are never collected (finalized) here
+        logging.disable(logging.CRITICAL)  # its handlers' files are the parent's
+        _close_fds_but(sock_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        with socket.socket(fileno=sock_fd) as sock:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        if len(fds) != 3:  # (the socket's end: no run for it)
+            code = 0
+            return
+        rfd, wfd, _lock = fds  # (the lock: held while this process lives)
+        code = target(Path(os.fsdecode(msg)), rfd, wfd)
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            import traceback
+
+            os.write(2, traceback.format_exc().encode(errors="replace"))
+    finally:
+        os._exit(code)
+
+
+def _close_fds_but(keep: int) -> None:
+    """Close every descriptor above 2 but ``keep``."""
+    try:
+        high = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    except (OSError, ValueError):
+        high = os.sysconf("SC_OPEN_MAX")
+    os.closerange(3, keep)
+    os.closerange(keep + 1, high + 1)
+
 
 def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int,
           state_dir: Path) -> int:

@@ -79,7 +79,7 @@ from .records import (
     state_of,
     utc_day,
 )
-from .sqlproc import INTENTS, IntentLog, WriterProcess, pending_records
+from .sqlproc import INTENTS, ZYGOTE, IntentLog, WriterProcess, Zygote, pending_records, serve
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -282,7 +282,7 @@ class SqliteStore:
         # (a future of the executor's, not a task: a loop's shutdown that cancels every task
         # does not cancel it, and the thread cannot be stopped anyway)
         loop = asyncio.get_running_loop()
-        opening = loop.run_in_executor(None, cls._open_sync, Path(state_dir))
+        opening = loop.run_in_executor(None, cls._open_sync, Path(state_dir), ZYGOTE.get())
         try:
             return await asyncio.shield(opening)
         except asyncio.CancelledError:
@@ -295,7 +295,7 @@ class SqliteStore:
             raise
 
     @classmethod
-    def _open_sync(cls, d: Path) -> SqliteStore:
+    def _open_sync(cls, d: Path, zygote: Zygote | None = None) -> SqliteStore:
         lock_fd = lock_state_dir(d)
         try:
             _import_journal(d)
@@ -310,7 +310,7 @@ class SqliteStore:
                 store._close_crashed_run()
                 store._reader = _connect(d / DB)
                 store._reader.execute("CREATE TEMP TABLE seen (id TEXT PRIMARY KEY) WITHOUT ROWID")
-                store._start_writing_process(lock_fd, seq)
+                store._start_writing_process(lock_fd, seq, zygote)
             except BaseException:
                 db.close()
                 raise
@@ -370,10 +370,11 @@ class SqliteStore:
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return orjson.loads(row[0]) if row and row[0] is not None else None
 
-    def _start_writing_process(self, lock_fd: int, seq: int) -> None:
+    def _start_writing_process(self, lock_fd: int, seq: int, zygote: Zygote | None) -> None:
         """The process that writes for this run (``sqlproc``; its batches are numbered on
-        from ``seq``), once the intent log is emptied (all of it is applied by now); where it
-        cannot start (no Python to run it: an embedding application), this process writes."""
+        from ``seq``; ``zygote`` becomes it where given), once the intent log is emptied (all
+        of it is applied by now); where it cannot start (no Python to run it: an embedding
+        application), this process writes."""
         intents = IntentLog(self.state_dir)
         try:
             if intents.size:
@@ -381,7 +382,7 @@ class SqliteStore:
         finally:
             intents.close()
         try:
-            self.process = WriterProcess(self.state_dir, lock_fd, seq)
+            self.process = WriterProcess(self.state_dir, lock_fd, seq, zygote)
         except StorageError as e:
             log.warning("%s; the run writes the state database in its own process", e)
 
@@ -1130,6 +1131,16 @@ def _close_open_intents(db: sqlite3.Connection) -> None:
     db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND "
                f"{NOT_IN_DOUBT}")
     db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
+
+
+def serve_writes(state_dir: Path, rfd: int, wfd: int) -> int:
+    """The writing process's work for a run of ``state_dir`` (``sqlproc.serve``): apply the
+    batches that ``rfd`` brings to ``state.db``, answer on ``wfd``; its exit code."""
+    db = _connect(state_dir / DB)
+    try:
+        return serve(SqliteStore(state_dir, db).apply_batch, rfd, wfd, state_dir)
+    finally:
+        db.close()
 
 
 def _connect(path: Path) -> sqlite3.Connection:

@@ -4,12 +4,15 @@ in-doubt bookkeeping, a damaged or foreign database, and the lock (this process 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import sqlite3
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,8 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
-from asyncrawl.sqlproc import IntentLog, pending_records
-from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
+from asyncrawl.sqlproc import ZYGOTE, IntentLog, Zygote, pending_records
+from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed, serve_writes
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import ProcessWriter, Writer
 
@@ -782,3 +785,88 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
     assert in_doubt == {"e": False}  # and nothing about "b": its intent came after its failure
 
 
+
+
+def _fds_of(pid: int) -> set[str]:
+    """What process ``pid``'s descriptors above 2 point at (``/proc``)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        if int(fd) > 2:
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
+def _gone(pid: int) -> bool:
+    """Process ``pid`` has ended (reaped, or a zombie that nobody reaps here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def _poll(what: Any, deadline: float = 30.0) -> None:
+    end = time.monotonic() + deadline
+    while not what():
+        assert time.monotonic() < end, f"not within {deadline} s: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_the_cli_forks_the_writing_process_ahead_and_it_keeps_nothing_of_ours(
+        tmp_path: Path) -> None:
+    """``sqlproc.Zygote``: forked before the run opens its state, it keeps none of the
+    process's descriptors (a listening socket, an open file) but its own socket, becomes the
+    run's writing process when the store opens, writes what the run commits, and holds the
+    state's lock until it has applied everything."""
+    state = tmp_path / "state"
+    kept = tmp_path / "kept.txt"
+    with socket.socket() as listener, kept.open("w"):
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        zygote = Zygote.start(serve_writes)
+        assert zygote is not None
+        pid = zygote.process.pid
+        _poll(lambda: len(_fds_of(pid)) == 1)  # (closed in the child, right after the fork)
+        assert _fds_of(pid).pop().startswith("socket:")
+
+        async def crawl() -> bool:
+            store = await open_store(state)
+            try:
+                assert store.process._proc.pid == pid  # type: ignore[attr-defined]
+                store.commit(RECORDS[:2])
+            finally:
+                await store.close()
+            return store.process is None
+
+        token = ZYGOTE.set(zygote)
+        try:
+            assert asyncio.run(crawl())
+        finally:
+            ZYGOTE.reset(token)
+            zygote.close()
+    assert zygote.process.returncode == 0
+    assert outcomes_of(state) == {"a": "ok"}
+    assert (state / "intents.log").stat().st_size == 0
+
+
+def test_a_zygote_never_handed_a_run_ends_with_its_parent(tmp_path: Path) -> None:
+    """Closed unused, it ends at once; its parent killed (-9) before handing it a run, it
+    ends too: no process is left behind."""
+    zygote = Zygote.start(serve_writes)
+    assert zygote is not None
+    zygote.close()
+    assert zygote.process.returncode == 0
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from asyncrawl.sqlproc import Zygote
+        from asyncrawl.sqlstore import serve_writes
+        z = Zygote.start(serve_writes)
+        print(z.process.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == -9
+    child = int(proc.stdout)
+    _poll(lambda: _gone(child))
