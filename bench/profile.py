@@ -41,7 +41,7 @@ STAGES = {  # inclusive time of the pipeline's own functions, by the name py-spy
     "writer: ProcessWriter (on the event loop)": "asyncrawl/writer.py",
     "store: the loop's writes down the pipe to the writing process": "send (asyncrawl/sqlproc.py",
     "store: the loop's reads of its answers": "_readable (asyncrawl/sqlproc.py",
-    "store: the writing process (sqlchild), all of it": "asyncrawl.sqlchild",
+    "store: the writing process (sqlstore.serve_writes), all of it": "serve_writes (asyncrawl/",
     "store: the run's dedup in SQLite (admit, off the loop)": "_admit (asyncrawl/sqlstore.py",
     "aiohttp: ClientSession._request": "_request (aiohttp/client.py",
     "aiohttp: response parsing (data_received)": "data_received (aiohttp/client_proto.py",
@@ -56,7 +56,7 @@ def record(args: argparse.Namespace, base: str, fmt: str, out: Path, work: Path)
         env["ASYNCRAWL_LOOP"] = args.loop
     cmd = [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record",
            "--rate", "200", "--format", fmt, "--output", str(out), "--threads",
-           "--subprocesses",  # (the SQLite store's writing process, ``sqlchild``)
+           "--subprocesses",  # (the SQLite store's writing process)
            *(["--idle"] if args.idle else []), "--",
            sys.executable, str(BENCH / "throughput.py"), "--worker", args.kind, "--url", base,
            "--requests", str(args.requests), "--concurrency", str(args.concurrency),
