@@ -83,13 +83,17 @@ def run_loop(main: Coroutine[Any, Any, T], *, writer: bool = True) -> T:
     from .sqlproc import ZYGOTE, Zygote
     from .sqlstore import serve_writes
 
-    zygote = Zygote.start(serve_writes) if writer else None
-    token = ZYGOTE.set(zygote)
+    zygote = None
     try:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(main)
+        zygote = Zygote.start(serve_writes) if writer else None
+        token = ZYGOTE.set(zygote)
+        try:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                return runner.run(main)
+        finally:
+            ZYGOTE.reset(token)
     finally:
-        ZYGOTE.reset(token)
+        main.close()  # (where it never ran: not left to warn that it was never awaited)
         if zygote is not None:
             zygote.close()
 
@@ -517,15 +521,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _known_lines(config: Config, ids_path: str) -> int | None:
     from .source import file_identity
-    from .sqlstore import DB
-    from .store import read_store
+    from .sqlstore import DB, SqliteStore
 
     if config.state_url is not None or not (Path(config.state_dir) / DB).exists():
         return None
     try:
-        return read_store(config.state_dir).source_lines(file_identity(ids_path))
-    except (AsyncrawlError, OSError):
+        store = SqliteStore.reader(config.state_dir)
+    except AsyncrawlError:
         return None  # checked again below, with the error a user can act on
+    try:  # (closed at once: the run's writing process is forked from this process, and a
+        #    connection to the state left open here would make it spawn one; sqlproc.Zygote)
+        return store.source_lines(file_identity(ids_path))
+    except (AsyncrawlError, OSError):
+        return None
+    finally:
+        store.close_sync()
 
 
 def _dry_run(config: Config, ids_path: str) -> int:

@@ -24,7 +24,7 @@ it (bench/README.md, 2026-12-03, stop 34). So:
 
 The child inherits the state directory's lock: a rerun cannot start while it still writes. It
 ends when the pipe does (the run closed it, or died) after answering for what it read; it
-ignores SIGINT and SIGTERM, which are the run's to handle.
+ignores the signals that stop a run (``RUN_SIGNALS``), which are the run's to handle.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import os
 import queue
 import select
 import signal
+import stat
 import struct
 import sys
 import threading
@@ -380,23 +381,34 @@ class Forked:
 
 
 class Zygote:
-    """A writing process forked ahead, before the crawl has a thread, an event loop or a
+    """A writing process forked ahead, before the crawl has an event loop, a thread or a
     database connection (``cli.run_loop``), that waits to be handed a run's pipes and its state
     directory's lock (``take``) and then serves it (``target(state_dir, read_fd, answer_fd)``:
     ``sqlstore.serve_writes``).
 
     Spawned instead, a new interpreter and its imports take 60-100 ms that the run's first
     requests wait for (their ``sent`` intents are the child's to log): ~6 % of a 20,000-request
-    crawl at the stack's limit (bench/README.md, stops 39-40). Forked at the run's open, the
-    child would hold copies of what other threads lock at that instant and of SQLite's
-    per-process state of the database the run has open (which then fails: "locking
-    protocol"); forked here, nothing of that exists yet. The child closes every descriptor but
-    its socket and the standard streams, ignores SIGINT and SIGTERM (the run's to handle), and
-    ends at the socket's end if it is never handed a run (``close``)."""
+    crawl at the stack's limit (bench/README.md, stops 39-40). A fork copies what is the
+    parent's at that instant, so it is done only where nothing of that can harm the child:
+
+    * with no other thread in the process (``start``: they could hold locks the child needs,
+      held forever in its copy), so not at the run's open, which has its executor's;
+    * not for a state directory of which the process had a file open at the fork (``take``):
+      SQLite keeps a per-process record of each database file a connection has open, and
+      the child's connection would take the parent's as its own (its locks on a descriptor
+      the child has closed, which another file then reuses);
+    * the child closes every descriptor but its socket and the standard streams, and first
+      points everything that writes by number at those (``sys.stdout``, ``sys.stderr``,
+      ``faulthandler``), ignores the signals that stop the run (the run's to handle), and
+      ends at the socket's end if it is never handed a run (``close``).
+
+    Where any of that does not hold, the writing process is spawned as before."""
 
     def __init__(self, target: Callable[[Path, int, int], int]) -> None:
         import socket
+        import warnings
 
+        self._files = _open_files()  # (device, inode) of each regular file open now
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         for stream in (sys.stdout, sys.stderr):  # (not written twice by a copy of its buffer)
             with contextlib.suppress(Exception):
@@ -404,22 +416,25 @@ class Zygote:
         # no signal handler of the parent's runs in the child before it has its own
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         try:
-            pid = os.fork()
+            with warnings.catch_warnings():  # (3.12's warning of a fork beside threads: there
+                warnings.simplefilter("ignore", DeprecationWarning)  # are none, see start)
+                pid = os.fork()
             if pid == 0:
                 _zygote(target, theirs.fileno(), mask)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         self._socket: socket.socket | None = ours
+        self._taking = threading.Lock()
         self.process = Forked(pid)
 
     @classmethod
     def start(cls, target: Callable[[Path, int, int], int]) -> Zygote | None:
-        """A zygote, where this platform and thread allow one (else ``None``: spawned)."""
+        """A zygote, where this platform allows one and the process has no other thread
+        (else ``None``: the writing process is spawned)."""
         import socket
 
-        if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or (
-                threading.current_thread() is not threading.main_thread()):
+        if not hasattr(os, "fork") or not hasattr(socket, "send_fds") or _threads() != 1:
             return None
         try:
             return cls(target)
@@ -428,25 +443,29 @@ class Zygote:
 
     def take(self, state_dir: Path, rfd: int, wfd: int, lock_fd: int) -> Forked | None:
         """Hand the child a run (copies of the descriptors): it is that run's writing process
-        from now on. ``None`` if it was handed one already, or is gone."""
+        from now on. ``None`` (and the child ended) if it was handed one already, is gone, or
+        must not serve ``state_dir``: a file of it was open here when it was forked."""
         import socket
 
-        ours, self._socket = self._socket, None
+        with self._taking:
+            ours, self._socket = self._socket, None
         if ours is None:
             return None
         try:
+            if self._files & _files_of(state_dir):
+                raise OSError("a file of the state directory was open at the fork")
             socket.send_fds(ours, [os.fsencode(state_dir)], [rfd, wfd, lock_fd])
         except OSError:
-            self.process.kill()
-            self.process.wait()
-            return None
-        finally:
             ours.close()
+            self.process.wait()  # (it ends at its socket's end)
+            return None
+        ours.close()
         return self.process
 
     def close(self) -> None:
         """If it was never handed a run: end it and wait for it (a few ms)."""
-        ours, self._socket = self._socket, None
+        with self._taking:
+            ours, self._socket = self._socket, None
         if ours is not None:
             ours.close()
             self.process.wait()
@@ -455,6 +474,47 @@ class Zygote:
 # a zygote for this context's runs, if any: ``cli.run_loop`` sets it
 ZYGOTE: ContextVar[Zygote | None] = ContextVar("asyncrawl_zygote", default=None)
 
+# the signals that stop a run (``cli.STOP_SIGNALS``, and Ctrl-\): the run handles them and then
+# closes the pipe; its writing process ignores them and applies what it was sent
+RUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _threads() -> int:
+    """The threads of this process, the system's own included (``/proc``), else Python's."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _fds() -> list[int]:
+    try:
+        return [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(os.sysconf("SC_OPEN_MAX")))
+
+
+def _open_files() -> set[tuple[int, int]]:
+    """(device, inode) of each regular file this process has open."""
+    out = set()
+    for fd in _fds():
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def _files_of(state_dir: Path) -> set[tuple[int, int]]:
+    """(device, inode) of each file in ``state_dir``."""
+    out = set()
+    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                out.add((st.st_dev, st.st_ino))
+    return out
+
 
 def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
             mask: set[signal.Signals]) -> None:
@@ -462,23 +522,40 @@ def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
     (it would run on in the parent's code)."""
     code = 70
     try:
+        import faulthandler
         import gc
+        import io
         import logging
         import socket
 
+        signal.set_wakeup_fd(-1)
         for sig in signal.valid_signals():
             with contextlib.suppress(OSError, ValueError):
                 if callable(signal.getsignal(sig)):
                     signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the run's to handle)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in RUN_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         gc.freeze()  # the parent's objects are never collected (finalized) here
         logging.disable(logging.CRITICAL)  # its handlers' files are the parent's
-        _close_fds_but(sock_fd)
+        # what writes to a descriptor by its number writes to the standard streams, not to
+        # whatever file would reuse the number of a descriptor closed below
+        faulthandler.cancel_dump_traceback_later()
+        enabled = faulthandler.is_enabled()
+        faulthandler.disable()
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), errors="replace",
+                                      line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False),
+                                      errors="backslashreplace", line_buffering=True)
+        if enabled:
+            faulthandler.enable(sys.stderr)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        os.close(null)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        for fd in _fds():
+            if fd > 2 and fd != sock_fd:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         with socket.socket(fileno=sock_fd) as sock:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
         if len(fds) != 3:  # (the socket's end: no run for it)
@@ -495,16 +572,6 @@ def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
         os._exit(code)
 
 
-def _close_fds_but(keep: int) -> None:
-    """Close every descriptor above 2 but ``keep``."""
-    try:
-        high = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    except (OSError, ValueError):
-        high = os.sysconf("SC_OPEN_MAX")
-    os.closerange(3, keep)
-    os.closerange(keep + 1, high + 1)
-
-
 def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int,
           state_dir: Path) -> int:
     """The child's loop. A thread reads the batches as they come, appends the logged records
@@ -515,8 +582,8 @@ def serve(apply: Callable[[list[Record], int], None], rfd: int, wfd: int,
     after it, and every answer carries its error. The log is emptied whenever it has grown
     past ``CUT_AT`` and everything in it is applied, and at the end. Returns at the pipe's
     end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in RUN_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     intents = IntentLog(state_dir)
     closing = False
     inbox: queue.SimpleQueue[list[tuple[int, list[Record]]] | None] = queue.SimpleQueue()

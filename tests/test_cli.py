@@ -79,13 +79,15 @@ def durable_ok_ids(state: Path) -> set[str]:
     return {i for i, o in outcomes_of(state).items() if o == "ok"}
 
 
-def popen_cli(tmp_path: Path, name: str, *args: str, env: dict[str, str] = ENV) -> subprocess.Popen[str]:
-    """``python -m asyncrawl ARGS`` in the background; stdout/stderr go to files (no pipe stalls)."""
+def popen_cli(tmp_path: Path, name: str, *args: str, env: dict[str, str] = ENV,
+              session: bool = False) -> subprocess.Popen[str]:
+    """``python -m asyncrawl ARGS`` in the background; stdout/stderr go to files (no pipe stalls).
+    ``session``: in a session (and process group) of its own, as a terminal's job is."""
     out = (tmp_path / f"{name}.out").open("w")
     err = (tmp_path / f"{name}.err").open("w")
     try:
         return subprocess.Popen([sys.executable, "-m", "asyncrawl", *args], stdout=out, stderr=err,
-                                env={**os.environ, **env}, text=True)
+                                env={**os.environ, **env}, text=True, start_new_session=session)
     finally:
         out.close()
         err.close()

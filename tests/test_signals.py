@@ -9,6 +9,7 @@ rerun fetches no ID that had succeeded. ``test_cli.py`` has the basic pass-1 cas
 from __future__ import annotations
 
 import collections
+import os
 import signal
 import time
 from pathlib import Path
@@ -107,6 +108,43 @@ def test_signal_in_pass_1_lets_requests_in_flight_finish_and_keeps_them(
 
     log = rerun_fetches_nothing_that_succeeded(cfg, mock, durable, "--concurrency", "40")
     assert answers(log) == collections.Counter(ids)  # each ID billed exactly once
+
+
+@pytest.mark.parametrize(("sig", "code"), SIGNALS)
+def test_a_signal_to_the_whole_process_group_stops_the_run_cleanly(
+        tmp_path: Path, mock_process: Any, sig: signal.Signals, code: int) -> None:
+    """Ctrl-C, or a terminal or SSH session that closes, signals the job's whole process group,
+    the state's writing process too: that process leaves the stop to the run and writes what
+    it is sent to the end (it does not die of SIGHUP, which would make a clean stop a storage
+    error, exit 5); nothing of the group is left afterwards."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "1")
+    ids = [f"g{i:04d}" for i in range(80)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 8}, run={"grace": 5})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress", session=True)
+    wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) >= 20, proc)
+    os.killpg(proc.pid, sig)
+    assert proc.wait(60) == code, (tmp_path / "run.err").read_text()
+
+    def group_gone() -> bool:  # (no live process of the group: a zombie nobody reaps is gone)
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == proc.pid and fields[0] not in "ZX":
+                return False
+        return True
+
+    wait_until_gone = time.monotonic() + 30
+    while not group_gone():
+        assert time.monotonic() < wait_until_gone, "a process of the group is left"
+        time.sleep(0.01)
+    log = mock.settled_log(timeout=10)
+    assert durable_ok_ids(state) == set(answers(log))
+    assert export(cfg, "--outcome", "in-doubt") == ""
+    assert status_json(cfg)["halt"]["reason"] == "signal"
 
 
 @pytest.mark.parametrize(("sigs", "grace"), [

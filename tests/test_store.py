@@ -4,9 +4,8 @@ in-doubt bookkeeping, a damaged or foreign database, and the lock (this process 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import socket
+import signal
 import sqlite3
 import stat
 import subprocess
@@ -23,8 +22,8 @@ import pytest
 from asyncrawl import LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
-from asyncrawl.sqlproc import ZYGOTE, IntentLog, Zygote, pending_records
-from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed, serve_writes
+from asyncrawl.sqlproc import IntentLog, pending_records
+from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import ProcessWriter, Writer
 
@@ -787,14 +786,56 @@ async def test_writer_commits_intents_before_results_unless_a_record_is_about_al
 
 
 
-def _fds_of(pid: int) -> set[str]:
-    """What process ``pid``'s descriptors above 2 point at (``/proc``)."""
-    out = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        if int(fd) > 2:
-            with contextlib.suppress(OSError):
-                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    return out
+def _forking(tmp_path: Path, body: str) -> Any:
+    """Run ``body`` in a Python process of its own (one thread, as the CLI's is when it forks
+    its zygote; pytest's may have others), with ``zygote_run`` at hand; its last line of
+    output, as JSON."""
+    script = textwrap.dedent("""
+        import asyncio, json, os, signal, socket, sys, time
+        from pathlib import Path
+        from asyncrawl.records import Record
+        from asyncrawl.sqlproc import ZYGOTE, Zygote
+        from asyncrawl.sqlstore import serve_writes
+        from asyncrawl.store import open_store
+
+        def zygote_run(state, records, zygote, during=None):
+            async def crawl():
+                store = await open_store(state)
+                try:
+                    pid = store.process._proc.pid
+                    store.commit(records)
+                    if during is not None:
+                        during(store)
+                finally:
+                    await store.close()
+                return pid
+            token = ZYGOTE.set(zygote)
+            try:
+                return asyncio.run(crawl())
+            finally:
+                ZYGOTE.reset(token)
+                zygote.close()
+
+        def fds_of(pid):
+            out = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if int(fd) > 2:
+                    try:
+                        out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    except OSError:
+                        pass
+            return sorted(out)
+
+        def poll(what, deadline=30.0):
+            end = time.monotonic() + deadline
+            while not what():
+                assert time.monotonic() < end, what
+                time.sleep(0.01)
+    """) + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return orjson.loads(proc.stdout.splitlines()[-1])
 
 
 def _gone(pid: int) -> bool:
@@ -812,53 +853,108 @@ def _poll(what: Any, deadline: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc")
+
+
+@needs_proc
 def test_the_cli_forks_the_writing_process_ahead_and_it_keeps_nothing_of_ours(
         tmp_path: Path) -> None:
     """``sqlproc.Zygote``: forked before the run opens its state, it keeps none of the
     process's descriptors (a listening socket, an open file) but its own socket, becomes the
-    run's writing process when the store opens, writes what the run commits, and holds the
-    state's lock until it has applied everything."""
-    state = tmp_path / "state"
-    kept = tmp_path / "kept.txt"
-    with socket.socket() as listener, kept.open("w"):
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
+    run's writing process when the store opens, and writes what the run commits."""
+    got = _forking(tmp_path, """
+        listener = socket.create_server(("127.0.0.1", 0))
+        kept = open("kept.txt", "w")
         zygote = Zygote.start(serve_writes)
-        assert zygote is not None
-        pid = zygote.process.pid
-        _poll(lambda: len(_fds_of(pid)) == 1)  # (closed in the child, right after the fork)
-        assert _fds_of(pid).pop().startswith("socket:")
+        poll(lambda: len(fds_of(zygote.process.pid)) == 1)  # (closed right after the fork)
+        fds = fds_of(zygote.process.pid)
+        writer = zygote_run(Path("state"), [
+            Record("run", ts=1.0, extra={"job": {"method": "GET", "url": "http://x/{id}"}}),
+            Record.sent("a"), Record("ok", "a", status=200, data=1, paid=1, ts=1.0)], zygote)
+        print(json.dumps({"fds": fds, "forked": writer == zygote.process.pid,
+                          "code": zygote.process.returncode}))
+    """)
+    assert len(got["fds"]) == 1 and got["fds"][0].startswith("socket:"), got
+    assert got["forked"] and got["code"] == 0
+    assert outcomes_of(tmp_path / "state") == {"a": "ok"}
+    assert (tmp_path / "state" / "intents.log").stat().st_size == 0
 
-        async def crawl() -> bool:
-            store = await open_store(state)
-            try:
-                assert store.process._proc.pid == pid  # type: ignore[attr-defined]
-                store.commit(RECORDS[:2])
-            finally:
-                await store.close()
-            return store.process is None
 
-        token = ZYGOTE.set(zygote)
+@needs_proc
+def test_a_state_open_at_the_fork_is_served_by_a_spawned_process(tmp_path: Path) -> None:
+    """SQLite keeps a per-process record of each database file open; a zygote forked while
+    this process had the state's database open would take that record as its own (locks on a
+    descriptor it closed). It is not handed that state: the run spawns its writing process,
+    and a reader that holds a snapshot meanwhile keeps it."""
+    asyncio.run(committed(tmp_path / "state", RECORDS))
+    got = _forking(tmp_path, """
+        import sqlite3
+        reader = sqlite3.connect("state/state.db")
+        reader.execute("BEGIN")
+        before = reader.execute("SELECT count(*) FROM items").fetchone()[0]
+        zygote = Zygote.start(serve_writes)
+        writer = zygote_run(Path("state"), [Record("ok", f"n{i}", status=200, data=i, paid=1,
+                                                   ts=1.0) for i in range(2000)], zygote)
+        after = reader.execute("SELECT count(*) FROM items").fetchone()[0]
+        reader.execute("COMMIT")
+        now = reader.execute("SELECT count(*) FROM items").fetchone()[0]
+        ok = reader.execute("PRAGMA integrity_check").fetchone()[0]
+        print(json.dumps({"forked": writer == zygote.process.pid, "zygote": zygote.process.returncode,
+                          "snapshot": [before, after], "now": now, "check": ok}))
+    """)
+    assert not got["forked"] and got["zygote"] == 0
+    assert got["snapshot"][0] == got["snapshot"][1] == 4
+    assert got["now"] == 2004 and got["check"] == "ok"
+
+
+@needs_proc
+@pytest.mark.parametrize("fd", [3, 4, 5, 6, 7])
+def test_the_forked_process_writes_nothing_by_a_number_it_closed(tmp_path: Path,
+                                                                 fd: int) -> None:
+    """faulthandler on a descriptor of its own (as pytest sets it) and a ``sys.stderr`` on
+    another: the forked writing process closes both numbers and reuses them for the state's
+    files, so what it writes by them goes to its standard error instead (a fatal signal's
+    report here), not over the state's database or its lock."""
+    got = _forking(tmp_path, f"""
+        import faulthandler
+        while (d := os.dup(2)) < {fd}:
+            pass
+        faulthandler.enable(file=d)
+        sys.stderr = open(os.dup(2), "w")
+        zygote = Zygote.start(serve_writes)
+
+        def crash(store):
+            store.commit([Record.sent("b")])
+            os.kill(store.process._proc.pid, signal.SIGSEGV)
+            poll(lambda: store.process._proc.poll() is not None)
+
         try:
-            assert asyncio.run(crawl())
-        finally:
-            ZYGOTE.reset(token)
-            zygote.close()
-    assert zygote.process.returncode == 0
-    assert outcomes_of(state) == {"a": "ok"}
-    assert (state / "intents.log").stat().st_size == 0
+            zygote_run(Path("state"), [
+                Record("run", ts=1.0, extra={{"job": {{"method": "GET", "url": "http://x/{{id}}"}}}}),
+                Record.sent("a")], zygote, crash)
+        except Exception:
+            pass
+        print(json.dumps({{"code": zygote.process.returncode}}))
+    """)
+    assert got["code"] == -signal.SIGSEGV
+    for name in os.listdir(tmp_path / "state"):
+        assert b"Fatal Python error" not in (tmp_path / "state" / name).read_bytes(), name
+    assert (tmp_path / "state" / DB).read_bytes()[:16] == b"SQLite format 3\x00"
+    assert read_store(tmp_path / "state").snapshot().in_doubt == 2  # (a, b: sent, no end)
 
 
+@needs_proc
 def test_a_zygote_never_handed_a_run_ends_with_its_parent(tmp_path: Path) -> None:
     """Closed unused, it ends at once; its parent killed (-9) before handing it a run, it
     ends too: no process is left behind."""
-    zygote = Zygote.start(serve_writes)
-    assert zygote is not None
-    zygote.close()
-    assert zygote.process.returncode == 0
+    got = _forking(tmp_path, """
+        zygote = Zygote.start(serve_writes)
+        zygote.close()
+        print(json.dumps({"code": zygote.process.returncode}))
+    """)
+    assert got["code"] == 0
     script = textwrap.dedent("""
-        import os, signal, sys
+        import os, signal
         from asyncrawl.sqlproc import Zygote
         from asyncrawl.sqlstore import serve_writes
         z = Zygote.start(serve_writes)
