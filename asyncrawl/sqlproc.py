@@ -207,16 +207,17 @@ class WriterProcess:
     logged = LOGGED
 
     def __init__(self, state_dir: Path, lock_fd: int, seq: int,
-                 zygote: Zygote | None = None) -> None:
-        """Start the child: hand the run to ``zygote`` where given (and not used yet), else
-        spawn a new interpreter that runs ``sqlchild``."""
+                 zygote: Zygote | None = None, database: Path | None = None) -> None:
+        """Start the child: hand the run to ``zygote`` where given (and it may serve
+        ``database``, the state's), else spawn a new interpreter that runs ``sqlchild``."""
         self.path = state_dir
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # (Linux; the default is 64 KiB)
             fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results fits
         try:
-            forked = zygote.take(state_dir, to_child, from_child, lock_fd) if zygote else None
+            forked = zygote.take(state_dir, database, to_child, from_child, lock_fd) \
+                if zygote is not None and database is not None else None
             if forked is not None:
                 self._proc: Forked | subprocess.Popen[bytes] = forked
             else:
@@ -393,14 +394,15 @@ class Zygote:
 
     * with no other thread in the process (``start``: they could hold locks the child needs,
       held forever in its copy), so not at the run's open, which has its executor's;
-    * not for a state directory of which the process had a file open at the fork (``take``):
-      SQLite keeps a per-process record of each database file a connection has open, and
-      the child's connection would take the parent's as its own (its locks on a descriptor
-      the child has closed, which another file then reuses);
+    * not for a database that the process had open at the fork (``take``): SQLite keeps a
+      per-process record of each database file a connection has open (by its inode), and the
+      child's connection would take the parent's as its own (its locks on a descriptor the
+      child has closed, which another file then reuses);
     * the child closes every descriptor but its socket and the standard streams, and first
       points everything that writes by number at those (``sys.stdout``, ``sys.stderr``,
-      ``faulthandler``), ignores the signals that stop the run (the run's to handle), and
-      ends at the socket's end if it is never handed a run (``close``).
+      ``faulthandler``, its handlers of signals too), ignores the signals that stop the run
+      (the run's to handle), and ends at the socket's end if it is never handed a run
+      (``close``).
 
     Where any of that does not hold, the writing process is spawned as before."""
 
@@ -441,10 +443,12 @@ class Zygote:
         except OSError:
             return None
 
-    def take(self, state_dir: Path, rfd: int, wfd: int, lock_fd: int) -> Forked | None:
+    def take(self, state_dir: Path, database: Path, rfd: int, wfd: int,
+             lock_fd: int) -> Forked | None:
         """Hand the child a run (copies of the descriptors): it is that run's writing process
         from now on. ``None`` (and the child ended) if it was handed one already, is gone, or
-        must not serve ``state_dir``: a file of it was open here when it was forked."""
+        must not serve the run's ``database``: it was open here when the child was forked (or
+        cannot be told: it cannot be looked at)."""
         import socket
 
         with self._taking:
@@ -452,8 +456,9 @@ class Zygote:
         if ours is None:
             return None
         try:
-            if self._files & _files_of(state_dir):
-                raise OSError("a file of the state directory was open at the fork")
+            st = os.stat(database)  # (the file itself, if a link leads to it)
+            if (st.st_dev, st.st_ino) in self._files:
+                raise OSError("the state's database was open at the fork")
             socket.send_fds(ours, [os.fsencode(state_dir)], [rfd, wfd, lock_fd])
         except OSError:
             ours.close()
@@ -505,17 +510,6 @@ def _open_files() -> set[tuple[int, int]]:
     return out
 
 
-def _files_of(state_dir: Path) -> set[tuple[int, int]]:
-    """(device, inode) of each file in ``state_dir``."""
-    out = set()
-    with contextlib.suppress(OSError), os.scandir(state_dir) as entries:
-        for entry in entries:
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                out.add((st.st_dev, st.st_ino))
-    return out
-
-
 def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
             mask: set[signal.Signals]) -> None:
     """The forked child: shed what is the parent's, wait for a run, serve it; never returns
@@ -541,6 +535,9 @@ def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
         # what writes to a descriptor by its number writes to the standard streams, not to
         # whatever file would reuse the number of a descriptor closed below
         faulthandler.cancel_dump_traceback_later()
+        for sig in signal.valid_signals():  # (``faulthandler.register``'s: C handlers)
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                faulthandler.unregister(sig)
         enabled = faulthandler.is_enabled()
         faulthandler.disable()
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), errors="replace",

@@ -382,7 +382,7 @@ class SqliteStore:
         finally:
             intents.close()
         try:
-            self.process = WriterProcess(self.state_dir, lock_fd, seq, zygote)
+            self.process = WriterProcess(self.state_dir, lock_fd, seq, zygote, self.path)
         except StorageError as e:
             log.warning("%s; the run writes the state database in its own process", e)
 

@@ -860,11 +860,12 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="ne
 def test_the_cli_forks_the_writing_process_ahead_and_it_keeps_nothing_of_ours(
         tmp_path: Path) -> None:
     """``sqlproc.Zygote``: forked before the run opens its state, it keeps none of the
-    process's descriptors (a listening socket, an open file) but its own socket, becomes the
+    process's descriptors (a listening socket, an open log file) but its own socket, becomes the
     run's writing process when the store opens, and writes what the run commits."""
     got = _forking(tmp_path, """
         listener = socket.create_server(("127.0.0.1", 0))
-        kept = open("kept.txt", "w")
+        os.mkdir("state")
+        kept = open("state/run.log", "w")  # (a log in the state directory: no reason to spawn)
         zygote = Zygote.start(serve_writes)
         poll(lambda: len(fds_of(zygote.process.pid)) == 1)  # (closed right after the fork)
         fds = fds_of(zygote.process.pid)
@@ -881,26 +882,38 @@ def test_the_cli_forks_the_writing_process_ahead_and_it_keeps_nothing_of_ours(
 
 
 @needs_proc
-def test_a_state_open_at_the_fork_is_served_by_a_spawned_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("linked", [False, True], ids=["state.db", "state.db-a-symlink"])
+def test_a_state_open_at_the_fork_is_served_by_a_spawned_process(tmp_path: Path,
+                                                                 linked: bool) -> None:
     """SQLite keeps a per-process record of each database file open; a zygote forked while
     this process had the state's database open would take that record as its own (locks on a
-    descriptor it closed). It is not handed that state: the run spawns its writing process,
-    and a reader that holds a snapshot meanwhile keeps it."""
+    descriptor it closed). It is not handed that state (nor where ``state.db`` is a link to
+    the file open): the run spawns its writing process, and a reader that holds a snapshot
+    meanwhile keeps it."""
     asyncio.run(committed(tmp_path / "state", RECORDS))
-    got = _forking(tmp_path, """
+    opened = "state/state.db"
+    if linked:
+        (tmp_path / "real").mkdir()
+        for name in os.listdir(tmp_path / "state"):
+            if name.startswith(DB):
+                os.rename(tmp_path / "state" / name, tmp_path / "real" / name)
+        (tmp_path / "state" / DB).symlink_to(tmp_path / "real" / DB)
+        opened = "real/state.db"
+    got = _forking(tmp_path, f"""
         import sqlite3
-        reader = sqlite3.connect("state/state.db")
+        reader = sqlite3.connect({opened!r})
         reader.execute("BEGIN")
         before = reader.execute("SELECT count(*) FROM items").fetchone()[0]
         zygote = Zygote.start(serve_writes)
-        writer = zygote_run(Path("state"), [Record("ok", f"n{i}", status=200, data=i, paid=1,
+        writer = zygote_run(Path("state"), [Record("ok", f"n{{i}}", status=200, data=i, paid=1,
                                                    ts=1.0) for i in range(2000)], zygote)
         after = reader.execute("SELECT count(*) FROM items").fetchone()[0]
         reader.execute("COMMIT")
         now = reader.execute("SELECT count(*) FROM items").fetchone()[0]
         ok = reader.execute("PRAGMA integrity_check").fetchone()[0]
-        print(json.dumps({"forked": writer == zygote.process.pid, "zygote": zygote.process.returncode,
-                          "snapshot": [before, after], "now": now, "check": ok}))
+        print(json.dumps({{"forked": writer == zygote.process.pid,
+                           "zygote": zygote.process.returncode,
+                           "snapshot": [before, after], "now": now, "check": ok}}))
     """)
     assert not got["forked"] and got["zygote"] == 0
     assert got["snapshot"][0] == got["snapshot"][1] == 4
@@ -908,24 +921,27 @@ def test_a_state_open_at_the_fork_is_served_by_a_spawned_process(tmp_path: Path)
 
 
 @needs_proc
+@pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGUSR1])
 @pytest.mark.parametrize("fd", [3, 4, 5, 6, 7])
-def test_the_forked_process_writes_nothing_by_a_number_it_closed(tmp_path: Path,
-                                                                 fd: int) -> None:
-    """faulthandler on a descriptor of its own (as pytest sets it) and a ``sys.stderr`` on
-    another: the forked writing process closes both numbers and reuses them for the state's
-    files, so what it writes by them goes to its standard error instead (a fatal signal's
-    report here), not over the state's database or its lock."""
+def test_the_forked_process_writes_nothing_by_a_number_it_closed(
+        tmp_path: Path, fd: int, sig: signal.Signals) -> None:
+    """faulthandler on a descriptor of its own (as pytest sets it; and a report of SIGUSR1's,
+    ``faulthandler.register``) and a ``sys.stderr`` on another: the forked writing process
+    closes those numbers and reuses them for the state's files, so what would be written by
+    them goes to its standard error instead, or nowhere (a fatal signal's report, SIGUSR1's
+    stacks), not over the state's database or its lock."""
     got = _forking(tmp_path, f"""
         import faulthandler
         while (d := os.dup(2)) < {fd}:
             pass
         faulthandler.enable(file=d)
+        faulthandler.register(signal.SIGUSR1, file=d)
         sys.stderr = open(os.dup(2), "w")
         zygote = Zygote.start(serve_writes)
 
         def crash(store):
             store.commit([Record.sent("b")])
-            os.kill(store.process._proc.pid, signal.SIGSEGV)
+            os.kill(store.process._proc.pid, {int(sig)})
             poll(lambda: store.process._proc.poll() is not None)
 
         try:
@@ -936,9 +952,10 @@ def test_the_forked_process_writes_nothing_by_a_number_it_closed(tmp_path: Path,
             pass
         print(json.dumps({{"code": zygote.process.returncode}}))
     """)
-    assert got["code"] == -signal.SIGSEGV
+    assert got["code"] == -sig
     for name in os.listdir(tmp_path / "state"):
-        assert b"Fatal Python error" not in (tmp_path / "state" / name).read_bytes(), name
+        data = (tmp_path / "state" / name).read_bytes()
+        assert b"Fatal Python error" not in data and b"most recent call first" not in data, name
     assert (tmp_path / "state" / DB).read_bytes()[:16] == b"SQLite format 3\x00"
     assert read_store(tmp_path / "state").snapshot().in_doubt == 2  # (a, b: sent, no end)
 
