@@ -207,17 +207,16 @@ class WriterProcess:
     logged = LOGGED
 
     def __init__(self, state_dir: Path, lock_fd: int, seq: int,
-                 zygote: Zygote | None = None, database: Path | None = None) -> None:
-        """Start the child: hand the run to ``zygote`` where given (and it may serve
-        ``database``, the state's), else spawn a new interpreter that runs ``sqlchild``."""
+                 zygote: Zygote | None = None) -> None:
+        """Start the child: hand the run to ``zygote`` where given (``Zygote.serves``), else
+        spawn a new interpreter that runs ``sqlchild``."""
         self.path = state_dir
         to_child, self._out = os.pipe()
         self._in, from_child = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # (Linux; the default is 64 KiB)
             fcntl.fcntl(self._out, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # a batch of results fits
         try:
-            forked = zygote.take(state_dir, database, to_child, from_child, lock_fd) \
-                if zygote is not None and database is not None else None
+            forked = zygote.take(state_dir, to_child, from_child, lock_fd) if zygote else None
             if forked is not None:
                 self._proc: Forked | subprocess.Popen[bytes] = forked
             else:
@@ -371,8 +370,8 @@ class Forked:
         return self._reaped(os.WNOHANG)
 
     def wait(self) -> int:
-        while (code := self._reaped(0)) is None:
-            pass
+        code = self._reaped(0)
+        assert code is not None  # (a blocking waitpid returns only once the child has ended)
         return code
 
     def kill(self) -> None:
@@ -394,7 +393,7 @@ class Zygote:
 
     * with no other thread in the process (``start``: they could hold locks the child needs,
       held forever in its copy), so not at the run's open, which has its executor's;
-    * not for a database that the process had open at the fork (``take``): SQLite keeps a
+    * not for a database that the process had open at the fork (``serves``): SQLite keeps a
       per-process record of each database file a connection has open (by its inode), and the
       child's connection would take the parent's as its own (its locks on a descriptor the
       child has closed, which another file then reuses);
@@ -443,12 +442,19 @@ class Zygote:
         except OSError:
             return None
 
-    def take(self, state_dir: Path, database: Path, rfd: int, wfd: int,
-             lock_fd: int) -> Forked | None:
+    def serves(self, database: Path) -> bool:
+        """Whether the child may serve a run of ``database``: not if this process had it open
+        when the child was forked (nor if that cannot be told: it cannot be looked at)."""
+        try:
+            st = os.stat(database)  # (the file itself, if a link leads to it)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) not in self._files
+
+    def take(self, state_dir: Path, rfd: int, wfd: int, lock_fd: int) -> Forked | None:
         """Hand the child a run (copies of the descriptors): it is that run's writing process
-        from now on. ``None`` (and the child ended) if it was handed one already, is gone, or
-        must not serve the run's ``database``: it was open here when the child was forked (or
-        cannot be told: it cannot be looked at)."""
+        from now on. ``None`` (and the child ended) if it was handed one already, or is
+        gone."""
         import socket
 
         with self._taking:
@@ -456,9 +462,6 @@ class Zygote:
         if ours is None:
             return None
         try:
-            st = os.stat(database)  # (the file itself, if a link leads to it)
-            if (st.st_dev, st.st_ino) in self._files:
-                raise OSError("the state's database was open at the fork")
             socket.send_fds(ours, [os.fsencode(state_dir)], [rfd, wfd, lock_fd])
         except OSError:
             ours.close()
@@ -548,7 +551,7 @@ def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
             faulthandler.enable(sys.stderr)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        os.close(null)
         for fd in _fds():
             if fd > 2 and fd != sock_fd:
                 with contextlib.suppress(OSError):

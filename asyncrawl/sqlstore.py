@@ -382,7 +382,8 @@ class SqliteStore:
         finally:
             intents.close()
         try:
-            self.process = WriterProcess(self.state_dir, lock_fd, seq, zygote, self.path)
+            self.process = WriterProcess(self.state_dir, lock_fd, seq,
+                                         zygote if zygote and zygote.serves(self.path) else None)
         except StorageError as e:
             log.warning("%s; the run writes the state database in its own process", e)
 

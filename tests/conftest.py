@@ -127,6 +127,20 @@ def settled_state(state: Path, records: list[Record]) -> Path:
     return state
 
 
+def live_processes(pgrp: int | None = None) -> set[int]:
+    """The processes that have not ended (zombies that nobody reaps here count as ended), of
+    process group ``pgrp`` where given (``/proc``)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if state not in "ZX" and (pgrp is None or int(group) == pgrp):
+            out.add(int(stat.parent.name))
+    return out
+
+
 def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:
     """Rows of ``query`` on the state database, read-only (a run may be going)."""
     import sqlite3

@@ -19,7 +19,7 @@ import pytest
 
 from asyncrawl.testing import LogEntry, read_log
 
-from .conftest import KEY, cli, outcomes_of, write_config, write_ids
+from .conftest import KEY, cli, live_processes, outcomes_of, write_config, write_ids
 from .test_cli import (
     ENV,
     answers,
@@ -127,18 +127,8 @@ def test_a_signal_to_the_whole_process_group_stops_the_run_cleanly(
     os.killpg(proc.pid, sig)
     assert proc.wait(60) == code, (tmp_path / "run.err").read_text()
 
-    def group_gone() -> bool:  # (no live process of the group: a zombie nobody reaps is gone)
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == proc.pid and fields[0] not in "ZX":
-                return False
-        return True
-
     wait_until_gone = time.monotonic() + 30
-    while not group_gone():
+    while live_processes(pgrp=proc.pid):
         assert time.monotonic() < wait_until_gone, "a process of the group is left"
         time.sleep(0.01)
     log = mock.settled_log(timeout=10)

@@ -27,7 +27,7 @@ from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import ProcessWriter, Writer
 
-from .conftest import as_schema_2, as_schema_3, db_rows, outcomes_of, sends_of
+from .conftest import as_schema_2, as_schema_3, db_rows, live_processes, outcomes_of, sends_of
 
 TS = 1_700_000_000.0  # 2023-11-14 UTC
 JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
@@ -838,14 +838,6 @@ def _forking(tmp_path: Path, body: str) -> Any:
     return orjson.loads(proc.stdout.splitlines()[-1])
 
 
-def _gone(pid: int) -> bool:
-    """Process ``pid`` has ended (reaped, or a zombie that nobody reaps here)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
-    except FileNotFoundError:
-        return True
-
-
 def _poll(what: Any, deadline: float = 30.0) -> None:
     end = time.monotonic() + deadline
     while not what():
@@ -982,4 +974,4 @@ def test_a_zygote_never_handed_a_run_ends_with_its_parent(tmp_path: Path) -> Non
                           timeout=60, cwd=tmp_path)
     assert proc.returncode == -9
     child = int(proc.stdout)
-    _poll(lambda: _gone(child))
+    _poll(lambda: child not in live_processes())
