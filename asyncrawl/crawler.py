@@ -16,6 +16,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 
 import aiohttp
 
+from . import http1
 from .config import Config
 from .errors import AsyncrawlError
 from .fetch import RESEND_WARNING, Classifier, Request, new_session, resends_silently
@@ -123,6 +124,8 @@ class Crawler:
     async def run(self, ids: Iterable[str] | AsyncIterable[str] | None = None) -> Summary:
         """Fetch every unsettled ID of ``ids`` (default: the config's IDs file)."""
         cfg = self.config
+        # the fast extra's HTTP client sends when the session is the crawler's own
+        lean = (self._session is None or self._own_session is not None) and http1.wanted()
         run = self._run = Run(cfg, self.hooks, total=self.total)
         if ids is None and cfg.state_url is not None and not cfg.ids:
             ids = []  # join the shared job: work on the IDs it has
@@ -141,7 +144,7 @@ class Crawler:
             if session is None:
                 session = own = new_session(cfg)
             try:
-                return await run.execute(store, session, source)
+                return await run.execute(store, session, source, lean=lean)
             finally:
                 if own is not None:
                     await own.close()

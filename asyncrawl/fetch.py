@@ -42,6 +42,7 @@ import orjson
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import http1
 from .config import _SECRET_PARAM, Config
 from .errors import ConfigError
 from .retry import parse_retry_after
@@ -298,11 +299,12 @@ class Fetcher:
         request_for: Callable[[str], Request] | None = None,
         classify: Classifier | None = None,
         observe: Callable[[str, Attempt, bool], None] | None = None,
+        lean: bool = False,
     ) -> None:
         self.session = session
         # whether the session's connector says when a request has its connection (then what
         # may have been sent is known; another session's ambiguous failure counts as sent)
-        self._marks = isinstance(session.connector, Connector)
+        self._marks = isinstance(session.connector, Connector) or lean
         self.observe = observe
         self.config = config
         self.request_for = request_for  # a hook; None: the config's template (no Request made)
@@ -317,8 +319,17 @@ class Fetcher:
                            and status_class(200, config) is Outcome.OK)
         self._ssl = tls_context(config)
         self._proxy = config.proxy or env_proxy(config.url)
+        # ``lean``: the session is the run's own, so what it sends may go by the fast extra's
+        # client instead (not through a proxy; ``http1.Client.serves`` says what else it takes)
+        self.lean = http1.Client(limit=config.concurrency, verify=self._ssl) \
+            if lean and self._proxy is None else None
         if self._ssl is False:
             log.warning("%s", INSECURE_WARNING)  # on every run: a Fetcher serves one run
+
+    def close(self) -> None:
+        """Close the lean client's idle connections (the session is closed by its owner)."""
+        if self.lean is not None:
+            self.lean.close()
 
     def hooked(self, item_id: str, lane: int = 0) -> Request | None:
         """The ``request_for`` hook's request for ``item_id``, with the API key of ``lane``
@@ -361,46 +372,42 @@ class Fetcher:
             else:
                 method, url, headers, body = req.method, req.url, req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
-                if self._marks:  # (each hop: a redirect's answer came; its target's not yet)
-                    _CONNECTED.set(False)
-                async with self.session.request(
-                    method, url, headers=headers, json=body, data=data, allow_redirects=False,
-                    timeout=self.timeout, ssl=self._ssl, proxy=self._proxy,
-                    raise_for_status=False,  # (an application's session may say otherwise)
-                ) as resp:
-                    status = resp.status
-                    if status in REDIRECTS and "Location" in resp.headers:
-                        try:
-                            target = url.join(URL(resp.headers["Location"]))
-                            same = target.origin() == url.origin()
-                        except ValueError:  # not a URL, or one without a host (mailto:, data:)
-                            return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                                f"redirect to an invalid Location {resp.headers['Location']}"[:500]),
-                                kind=ErrorKind.REDIRECT)
-                        allowed = cfg.follow_redirects == "any" or (
-                            same and cfg.follow_redirects == "same-origin")
-                        if not allowed or hop == cfg.max_redirects:
-                            why = "too many redirects" if allowed else "redirect not followed"
-                            return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                                f"{why}: Location {resp.headers['Location']}"[:500]),
-                                kind=ErrorKind.REDIRECT)
-                        if not same:  # never carry credentials to another origin
-                            headers = {k: v for k, v in headers.items()
-                                       if not cfg.is_secret_header(k)
-                                       and cfg.redact(v) == v}
-                            target = _without_credentials(target, cfg)
-                        if status == 303:  # "see other": fetch it, do not resend the body
-                            method, body, data = "GET", None, None
-                        url = target
-                        continue
-                    data = await self._read(resp)
-                    return self._classify(item_id, status, resp.headers, data)
+                if self.lean is not None and self.lean.serves(method, url):
+                    _CONNECTED.set(True)  # (from here on, only a connect's failure sent nothing)
+                    answer = await self.lean.request(
+                        method, url, headers, json=body, data=data, limit=cfg.max_body_bytes,
+                        total=self.timeout.total, connect=self.timeout.sock_connect,
+                        silence=self.timeout.sock_read)
+                    status, answered = answer.status, answer.headers
+                    if status not in REDIRECTS or "Location" not in answered:
+                        return self._classify(item_id, status, answered, answer.body)
+                else:
+                    if self._marks:  # (each hop: a redirect's answer came; its target's not yet)
+                        _CONNECTED.set(False)
+                    async with self.session.request(
+                        method, url, headers=headers, json=body, data=data,
+                        allow_redirects=False, timeout=self.timeout, ssl=self._ssl,
+                        proxy=self._proxy,
+                        raise_for_status=False,  # (an application's session may say otherwise)
+                    ) as resp:
+                        status, answered = resp.status, resp.headers
+                        if status not in REDIRECTS or "Location" not in answered:
+                            return self._classify(item_id, status, answered,
+                                                  await self._read(resp))
+                hop_to = self._redirect(status, answered["Location"], url, headers, hop)
+                if isinstance(hop_to, Attempt):
+                    return hop_to
+                url, headers = hop_to
+                if status == 303:  # "see other": fetch it, do not resend the body
+                    method, body, data = "GET", None, None
             raise AssertionError("unreachable")  # pragma: no cover
+        except http1.ConnectError as e:  # (the lean client's: nothing was sent)
+            if isinstance(e.os_error, ssl.SSLCertVerificationError):
+                return self._certificate(e.os_error)
+            kind, error = _connect_error(e)
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind)
         except aiohttp.ClientConnectorCertificateError as e:
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(
-                f"{CERTIFICATE}: {_describe(e.certificate_error)}; if the "
-                "server uses a private CA, add it with [request] ca_bundle")[:500],
-                kind=ErrorKind.TLS)
+            return self._certificate(e.certificate_error)
         except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
             return Attempt(Outcome.RETRY, None, error=self._timeout_error(e),
                            kind=ErrorKind.TIMEOUT, unanswered=self._may_have_left(e))
@@ -414,18 +421,47 @@ class Fetcher:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
                            kind=ErrorKind.NETWORK, unanswered=self._may_have_left(e))
 
+    def _redirect(self, status: int, location: str, url: URL, headers: Mapping[str, str],
+                  hop: int) -> Attempt | tuple[URL, Mapping[str, str]]:
+        """Where a redirect leads (its URL, and the headers to send there: none secret if to
+        another origin), or the ``Attempt`` that ends here: not followed, too many, invalid."""
+        cfg = self.config
+        try:
+            target = url.join(URL(location))
+            same = target.origin() == url.origin()
+        except ValueError:  # not a URL, or one without a host (mailto:, data:)
+            return Attempt(Outcome.SKIP, status, error=cfg.redact(
+                f"redirect to an invalid Location {location}"[:500]), kind=ErrorKind.REDIRECT)
+        allowed = cfg.follow_redirects == "any" or (
+            same and cfg.follow_redirects == "same-origin")
+        if not allowed or hop == cfg.max_redirects:
+            why = "too many redirects" if allowed else "redirect not followed"
+            return Attempt(Outcome.SKIP, status, error=cfg.redact(
+                f"{why}: Location {location}"[:500]), kind=ErrorKind.REDIRECT)
+        if not same:  # never carry credentials to another origin
+            headers = {k: v for k, v in headers.items()
+                       if not cfg.is_secret_header(k) and cfg.redact(v) == v}
+            target = _without_credentials(target, cfg)
+        return target, headers
+
+    def _certificate(self, e: BaseException) -> Attempt:
+        return Attempt(Outcome.RETRY, None, error=self.config.redact(
+            f"{CERTIFICATE}: {_describe(e)}; if the "
+            "server uses a private CA, add it with [request] ca_bundle")[:500],
+            kind=ErrorKind.TLS)
+
     def _may_have_left(self, e: BaseException) -> bool:
         """Whether an attempt that failed with ``e`` and no answer may have reached the server
         (possibly billed): it had its connection (a timeout in a DNS lookup, in the wait for
         a pooled connection or in the connect, or a URL aiohttp refuses, sent nothing)."""
-        if isinstance(e, _CONNECT_TIMEOUT):
+        if isinstance(e, (http1.ConnectTimeout, _CONNECT_TIMEOUT)):
             return False
         return _CONNECTED.get() if self._marks else True
 
     def _timeout_error(self, e: TimeoutError) -> str:
-        if isinstance(e, _CONNECT_TIMEOUT):
+        if isinstance(e, (http1.ConnectTimeout, _CONNECT_TIMEOUT)):
             return f"timeout: no connection within {self.timeout.sock_connect:g}s"
-        if isinstance(e, _READ_TIMEOUT):
+        if isinstance(e, (http1.ReadTimeout, _READ_TIMEOUT)):
             return f"timeout: the server sent nothing for {self.timeout.sock_read:g}s"
         return "timeout"
 

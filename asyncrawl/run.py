@@ -100,6 +100,7 @@ class Run:
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
         self._session: aiohttp.ClientSession | None = None
+        self._lean = False  # (``execute``'s)
         self.budget: Budget | None = None
 
     def __repr__(self) -> str:
@@ -164,10 +165,13 @@ class Run:
     # -- the run -------------------------------------------------------------------------------
 
     async def execute(self, store: Store, session: aiohttp.ClientSession,
-                      source: IdsFile | AsyncIterator[list[str]]) -> Summary:
+                      source: IdsFile | AsyncIterator[list[str]], *,
+                      lean: bool = False) -> Summary:
         """Fetch every unsettled ID of ``source`` (an IDs file, or chunks of IDs) into
-        ``store``."""
+        ``store``. ``lean``: the session is the run's own, and the fast extra's HTTP client
+        may send instead (``http1``)."""
         cfg = self.config
+        self._lean = lean
         keep_reads_off_mmap()
         shared = store if isinstance(store, PgStore) else None
         ident = None  # (before any task of the run exists: an error here leaves none behind)
@@ -268,14 +272,18 @@ class Run:
             if shared is not None and limit is not None else None
         budget = self.budget = Budget(limit, grant)
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
-                          observe=self._observe)
-        failed = (await self._pass(1, first, fetcher, budget, writer)).failed
-        while await self._second_pass(failed, fetcher, budget, writer, second, second_left) \
-                and again is not None and shared is not None and await shared.pass_left(1):
-            # a shared job given new IDs meanwhile (a process that joined late): this run
-            # takes part in their pass 1 too, rather than end while the job has work
-            log.info("the job has new IDs (merged by another process): this one fetches them too")
-            failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
+                          observe=self._observe, lean=self._lean)
+        try:
+            failed = (await self._pass(1, first, fetcher, budget, writer)).failed
+            while await self._second_pass(failed, fetcher, budget, writer, second, second_left) \
+                    and again is not None and shared is not None and await shared.pass_left(1):
+                # a shared job given new IDs meanwhile (a process that joined late): this run
+                # takes part in their pass 1 too, rather than end while the job has work
+                log.info("the job has new IDs (merged by another process): this one fetches "
+                         "them too")
+                failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
+        finally:
+            fetcher.close()
 
     async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
                            writer: AnyWriter, second: Callable[[], AsyncIterator[Chunk]] | None,

@@ -6,8 +6,12 @@ Against the bundled mock API in a process of its own (``--latency`` seconds adde
 answer, no faults, no key), ``--ids`` IDs with ``--concurrency`` requests in flight:
 
 * ``baseline``: a bare aiohttp loop (``bench/throughput.py``'s: a queue, N tasks, one session);
-* ``cli``: ``asyncrawl run`` on asyncio's loop (durability and in-doubt on, a fresh state);
-* ``cli-uvloop``: the same on uvloop's loop (the ``fast`` extra), when it is installed.
+* ``cli``: ``asyncrawl run`` on asyncio's loop with aiohttp's client, as a plain install runs it
+  (durability and in-doubt on, a fresh state);
+* ``cli-httptools``: the same with the ``fast`` extra's HTTP client (``asyncrawl/http1.py``);
+* ``cli-uvloop``: the ``fast`` extra whole: its client on uvloop's loop.
+
+The last two when the extra is installed.
 
 The ideal is ``concurrency / latency`` requests per second (1,000 at 100 ms and 100 in flight):
 each figure is given as a share of it. The timed section is the crawl (for ``cli``: the whole
@@ -72,6 +76,7 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         import asyncrawl.cli
 
         os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
+        os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli" else "httptools"
         cfg = write_job(work, url, n, concurrency)
         t0 = time.perf_counter()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
@@ -108,12 +113,13 @@ def main() -> int:
     compile_package()
     kinds = ["baseline", "cli"]
     try:
+        import httptools  # noqa: F401
         import uvloop  # noqa: F401
 
-        kinds.append("cli-uvloop")
+        kinds += ["cli-httptools", "cli-uvloop"]
     except ImportError:
-        print("uvloop not installed (pip install 'asyncrawl[fast]'): no cli-uvloop",
-              file=sys.stderr)
+        print("the fast extra is not installed (pip install 'asyncrawl[fast]'): no "
+              "cli-httptools, no cli-uvloop", file=sys.stderr)
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
     body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer

@@ -84,7 +84,9 @@ KINDS = ("baseline", "cli", "library")
 NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
 NO_INTENT_CLI = "cli-no-intent"  # the same for ``asyncrawl run``
 FREE_STORE_CLI = "cli-free-store"  # ``asyncrawl run`` whose store drops sent/ok (``--store-cost``)
-FAST = ("cli-uvloop", "baseline-uvloop")  # with the fast extra's loop (``--fast``)
+# with the fast extra (``--fast``): its HTTP client on asyncio's loop; the extra whole (uvloop's
+# loop and its HTTP client); the bare aiohttp loop on uvloop's loop
+FAST = ("cli-httptools", "cli-uvloop", "baseline-uvloop")
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
 
@@ -251,9 +253,11 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.worker == NO_INTENT_CLI:
         skip_intents()
     dropped = free_store() if args.worker == FREE_STORE_CLI else None
-    # the cli kinds: asyncio's loop unless the kind says uvloop (the fast extra's)
+    # asyncio's loop and aiohttp's client (a plain install) unless the kind says otherwise:
+    # cli-httptools the fast extra's HTTP client, cli-uvloop the whole extra (its loop too)
     os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
-    if args.worker in ("cli", NO_INTENT_CLI, FREE_STORE_CLI, "cli-uvloop"):
+    os.environ["ASYNCRAWL_HTTP"] = "httptools" if args.worker in FAST[:2] else "aiohttp"
+    if args.worker in ("cli", NO_INTENT_CLI, FREE_STORE_CLI, *FAST[:2]):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
         code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
@@ -703,7 +707,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=(*KINDS, NO_INTENT, NO_INTENT_CLI, FREE_STORE_CLI, *FAST),
                    help=argparse.SUPPRESS)
     p.add_argument("--fast", action="store_true",
-                   help="also run cli-uvloop and baseline-uvloop (needs asyncrawl[fast])")
+                   help="also run cli-httptools, cli-uvloop and baseline-uvloop (needs "
+                        "asyncrawl[fast])")
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--fsync-delay", type=float, default=0.0, metavar="MS",
                    help="make every fsync of the workers take MS ms longer (a network volume; "

@@ -211,3 +211,29 @@ def as_schema_2(db_path: Path) -> None:
                    status, error, fetched_at, CAST(data AS TEXT) AS data
             FROM items WHERE state IS NOT NULL;
         PRAGMA user_version = 2;""")
+
+
+@pytest.fixture(params=["aiohttp", "httptools"])
+async def both_clients(request: pytest.FixtureRequest,
+                       monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """Runs a test once with aiohttp's client and once with the fast extra's (``http1``):
+    every ``Fetcher`` the test makes sends through it as a run's own fetcher would, and is
+    closed when the test ends."""
+    from asyncrawl import http1
+    from asyncrawl.fetch import Fetcher
+
+    made: list[Fetcher] = []
+    if request.param == "httptools":
+        if http1.httptools is None:  # pragma: no cover - CI installs the fast extra
+            pytest.skip("httptools (the fast extra) is not installed")
+        init = Fetcher.__init__
+
+        def lean_init(self: Fetcher, *args: Any, **kw: Any) -> None:
+            kw.setdefault("lean", True)
+            init(self, *args, **kw)
+            made.append(self)
+
+        monkeypatch.setattr(Fetcher, "__init__", lean_init)
+    yield request.param
+    for fetcher in made:
+        fetcher.close()

@@ -1130,6 +1130,12 @@ def test_a_wrong_loop_choice_is_an_input_error() -> None:
     assert r.returncode == 2 and "ASYNCRAWL_LOOP must be one of auto, asyncio, uvloop" in r.stderr
 
 
+def test_a_wrong_http_client_choice_is_an_input_error() -> None:
+    r = cli("demo", env={"ASYNCRAWL_HTTP": "curl"})
+    assert r.returncode == 2, r.stderr
+    assert "ASYNCRAWL_HTTP must be one of auto, aiohttp, httptools, got 'curl'" in r.stderr
+
+
 def test_state_dir_on_the_command_line_replaces_the_config_s_state_url(tmp_path: Path) -> None:
     """``--state DIR`` was ignored beside a config's ``[state] url``: the run, ``status`` and
     ``export`` used the PostgreSQL job (the README's recheck into a directory of its own

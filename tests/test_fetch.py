@@ -33,6 +33,8 @@ from asyncrawl.config import MAX_ID_LENGTH
 from asyncrawl.fetch import Attempt, Fetcher, Outcome, RequestBuilder, body_code, encode_id
 from asyncrawl.source import _problem
 
+pytestmark = pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
+
 KEY = "k-secret"
 HEADERS = {"X-Api-Key": KEY, "Accept": "application/json"}
 LIMIT = 100_000  # max_body_bytes in these tests

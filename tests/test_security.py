@@ -325,6 +325,7 @@ def test_bearer_token_from_env_and_from_cli_header(tmp_path: Path, monkeypatch: 
     assert_no_secret(r.stdout, r.stderr, *dir_bytes(tmp_path / "state"), secrets=(TOKEN,))  # ... only
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_secret_names_make_any_header_or_parameter_secret(
         hostile: Hostile, other: Hostile, session: aiohttp.ClientSession) -> None:
     """``[request] secret_names``: headers and parameters whose names no built-in rule knows."""
@@ -426,7 +427,8 @@ def test_request_repr_shows_no_credential() -> None:
 async def test_aiohttp_errors_quoting_the_url_are_redacted(hostile: Hostile,
                                                            session: aiohttp.ClientSession,
                                                            name: str) -> None:
-    """aiohttp's ClientResponseError quotes the URL with its query: ``?api_key=sk%2Blive...``."""
+    """aiohttp's ClientResponseError quotes the URL with its query: ``?api_key=sk%2Blive...``
+    (http1's errors quote nothing of the request)."""
     a = await Fetcher(session, hostile_config(hostile.item_url)).attempt(name)
     assert a.outcome is Outcome.RETRY and a.status is None, a
     assert a.error is not None and "ClientResponseError" in a.error
@@ -436,7 +438,8 @@ async def test_aiohttp_errors_quoting_the_url_are_redacted(hostile: Hostile,
 
 async def test_secret_in_a_parameter_with_an_ordinary_name_is_redacted_when_encoded(
         hostile: Hostile, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An ${ENV} value in ``?auth=`` travels percent-encoded; only its encoded form is in the
+    """(aiohttp's client: its errors quote the URL; http1's quote nothing of the request.)
+    An ${ENV} value in ``?auth=`` travels percent-encoded; only its encoded form is in the
     error text, and no parameter-name rule applies: the encoded form must be redacted as such."""
     monkeypatch.setenv("ASYNCRAWL_T_AUTH", KEY)
     cfg = Config.from_dict({"request": {"url": hostile.item_url,
@@ -446,6 +449,7 @@ async def test_secret_in_a_parameter_with_an_ordinary_name_is_redacted_when_enco
     assert_no_secret(a.error)
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_location_with_a_server_issued_token_is_redacted(hostile: Hostile, other: Hostile,
                                                                session: aiohttp.ClientSession) -> None:
     """Even a token asyncrawl never knew (a server-signed Location) is blanked by its name."""
@@ -461,7 +465,9 @@ def dir_bytes(d: Path) -> list[bytes]:
     return [p.read_bytes() for p in d.rglob("*") if p.is_file()]
 
 
-def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostile, other: Hostile) -> None:
+@pytest.mark.parametrize("client", ["aiohttp", "httptools"])
+def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostile, other: Hostile,
+                                                 client: str) -> None:
     """A full CLI job against every misbehaviour at once, the key in a parameter (with characters
     that get percent-encoded), a Bearer header, a cookie and an ${ENV} header; then every byte
     asyncrawl wrote (stdout, stderr, log file, state directory, exports) is searched."""
@@ -470,7 +476,8 @@ def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostil
              "stall-body", "hangup", "bad-length", "not-http", "huge-header", "out", "hop"]
     ids = write_ids(tmp_path / "ids.txt", [*names, *(f"n{i}" for i in range(30))])
     state = tmp_path / "state"
-    env = {"ASYNCRAWL_TEST_KEY": KEY, "ASYNCRAWL_T_TOKEN": TOKEN, "ASYNCRAWL_T_SIG": SIG}
+    env = {"ASYNCRAWL_TEST_KEY": KEY, "ASYNCRAWL_T_TOKEN": TOKEN, "ASYNCRAWL_T_SIG": SIG,
+           "ASYNCRAWL_HTTP": client}
     conf = write_config(tmp_path / "c.toml", hostile.item_url, state, ids,
                         request={"read_timeout": 0.3, "max_body_bytes": 100_000,
                                  "follow_redirects": "any"},
@@ -496,7 +503,10 @@ def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostil
     r = run_cli("export", "-c", str(conf), "--outcome", "unavailable", env=env)
     unavailable = [json.loads(x) for x in r.stdout.splitlines()]
     errors = " ".join(str(u["error"]) for u in unavailable)
-    assert "ClientResponseError" in errors and "api_key=***" in errors  # the URLs were there
+    if client == "aiohttp":  # (its errors quote the URL: they were there, redacted)
+        assert "ClientResponseError" in errors and "api_key=***" in errors
+    else:
+        assert "ProtocolError" in errors
     r = run_cli("status", "-c", str(conf), env=env)
     outputs += [r.stdout, r.stderr]
     blobs = [o.encode() for o in outputs] + dir_bytes(state) + [log_file.read_bytes()]
@@ -557,6 +567,7 @@ def test_the_job_check_still_sees_ordinary_parameters_and_resumes_states_of_befo
 # -- 2. redirects: credentials never cross origins -----------------------------------------------
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 @pytest.mark.parametrize("follow", ["same-origin", "any", "none"])
 @pytest.mark.parametrize("start", ["out", "hop"])
 async def test_other_origin_never_sees_the_key(hostile: Hostile, other: Hostile,
@@ -585,6 +596,7 @@ async def test_other_origin_never_sees_the_key(hostile: Hostile, other: Hostile,
             assert all(TOKEN.encode() in q.raw for q in hostile.requests)
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_303_after_post_does_not_resend_the_body(hostile: Hostile,
                                                        session: aiohttp.ClientSession) -> None:
     from asyncrawl.fetch import Request as Req
@@ -635,6 +647,7 @@ def test_non_ascii_in_the_template_path_is_sent_percent_encoded() -> None:
 
 @pytest.mark.parametrize("item", ["../admin", "a/b", "x?y=1", "%2e%2e", "#f", "sp ace", "ünï",
                                   "..", "x" * 1024, "a&api_key=stolen", "@127.0.0.2", "\\..\\x"])
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_hostile_ids_cannot_move_the_request(hostile: Hostile, session: aiohttp.ClientSession,
                                                    item: str) -> None:
     cfg = Config(url=hostile.base + "/v1/items/{id}", params={"api_key": KEY, "q": "{id}"})
@@ -729,6 +742,7 @@ def asyncrawl_log() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_tls_is_verified_by_default(tls_a: Hostile, tls_session: aiohttp.ClientSession) -> None:
     a = await Fetcher(tls_session, Config(url=tls_a.item_url)).attempt("ok")
     assert a.outcome is Outcome.RETRY and a.status is None, a
@@ -736,12 +750,14 @@ async def test_tls_is_verified_by_default(tls_a: Hostile, tls_session: aiohttp.C
     assert tls_a.requests == []  # not one byte of HTTP went out
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_ca_bundle_is_trusted(tls_a: Hostile, pki: Pki, tls_session: aiohttp.ClientSession) -> None:
     a = await Fetcher(tls_session, Config(url=tls_a.item_url, ca_bundle=str(pki.ca_a))).attempt("ok")
     assert a.outcome is Outcome.OK, a
     assert a.data == {"id": "ok"}
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_ca_bundle_adds_to_the_system_trust(tls_a: Hostile, tls_b: Hostile, pki: Pki,
                                                   tls_session: aiohttp.ClientSession,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -755,6 +771,7 @@ async def test_ca_bundle_adds_to_the_system_trust(tls_a: Hostile, tls_b: Hostile
     assert b.outcome is Outcome.OK, b
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_verify_off_works_and_warns(tls_a: Hostile, tls_session: aiohttp.ClientSession) -> None:
     with asyncrawl_log() as lines:
         a = await Fetcher(tls_session, Config(url=tls_a.item_url, verify_tls=False)).attempt("ok")
@@ -844,7 +861,10 @@ def outcomes(state: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, tmp_path: Path) -> None:
+@pytest.mark.parametrize("client", ["aiohttp", "httptools"])
+async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, tmp_path: Path,
+                                                            client: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """One run through ``Crawler.run`` against every kind of bad answer: each ID gets a record
     with a clear status and error, no worker dies, and the run ends."""
     expected: dict[str, tuple[str, int | None, bool, str]] = {
@@ -863,6 +883,12 @@ async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, t
         "not-http": ("failed", None, False, "ClientResponseError"),
         "huge-header": ("failed", None, False, "ClientResponseError"),
     }
+    monkeypatch.setenv("ASYNCRAWL_HTTP", client)
+    if client == "httptools":  # (the crawler's own session: http1 sends)
+        expected |= {"hangup": ("failed", None, False, "Disconnected: the server closed"),
+                     "bad-length": ("failed", None, False, "ProtocolError: invalid HTTP answer"),
+                     "not-http": ("failed", None, False, "ProtocolError: invalid HTTP answer"),
+                     "huge-header": ("failed", None, False, "ProtocolError: a header over")}
     state = tmp_path / "state"
     ids = [*expected, *(f"fine-{i}" for i in range(20))]
     t0 = time.monotonic()
@@ -887,6 +913,7 @@ async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, t
     assert_no_secret(b"".join(p.read_bytes() for p in state.glob("state.db*")))
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_read_timeout_catches_a_silent_server_long_before_the_total(
         hostile: Hostile, session: aiohttp.ClientSession) -> None:
     """``read_timeout`` (aiohttp's sock_read) covers the wait for the first byte and stalls
@@ -899,6 +926,7 @@ async def test_read_timeout_catches_a_silent_server_long_before_the_total(
         assert a.outcome is Outcome.RETRY and a.error == "timeout: the server sent nothing for 0.3s"
 
 
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_connect_timeout(session: aiohttp.ClientSession) -> None:
     """A listener whose accept queue is full never completes the handshake."""
     with socket.socket() as listener:

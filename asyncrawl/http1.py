@@ -1,0 +1,524 @@
+"""A lean HTTP/1.1 client for the ``fast`` extra: keep-alive connections on asyncio's protocol
+API, answers parsed by httptools (llhttp, Node.js's parser).
+
+aiohttp's client spends ~100 µs of CPU on a request here, most of it in machinery a crawl does
+not use per request (``bench/throughput.py``); this one spends ~10 µs on uvloop. It does only
+what ``fetch.Fetcher`` asks of its own sessions: one request at a time per connection, the
+whole answer read before it returns (bounded by ``limit`` after decompression), ``gzip`` and
+``deflate`` decoded, and three timeouts (connect, silence, total). No proxy, no HEAD, no
+cookies, no redirects (the fetcher follows those itself): ``Client.serves`` says which requests
+it takes; the rest go through aiohttp, and so does a crawl when httptools is not installed, when
+``ASYNCRAWL_HTTP=aiohttp``, or when the application passed its own session.
+
+Failures are its own exceptions, which ``fetch`` classifies: ``ConnectError`` and
+``ConnectTimeout`` sent nothing; every other failure came after the request had its
+connection, so it may have reached the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import os
+import re
+import ssl
+import sys
+import zlib
+from collections.abc import ItemsView, Iterator, Mapping
+from typing import Any
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from ._version import __version__
+from .errors import ConfigError
+
+try:
+    import httptools
+except ImportError:  # the fast extra is not installed
+    httptools = None
+
+CHOICES = ("auto", "aiohttp", "httptools")
+KEEPALIVE = 15.0  # seconds an idle connection is kept (aiohttp's default too)
+MAX_HEAD = 64 * 1024  # bytes: an answer's status line and headers (a normal one is < 2 KiB)
+MAX_FIELD = 8190  # bytes: one header, name and value (aiohttp's limit too)
+USER_AGENT = f"asyncrawl/{__version__} Python/{sys.version_info[0]}.{sys.version_info[1]}"
+_BAD_TARGET = re.compile(r"[\x00-\x20\x7f]").search
+_BAD_FIELD = re.compile(r"[\r\n\x00]").search
+_DEFAULTS = (("user-agent", "User-Agent", USER_AGENT), ("accept", "Accept", "*/*"),
+             ("accept-encoding", "Accept-Encoding", "gzip, deflate"))
+
+
+class ConnectError(OSError):
+    """No connection to ``host:port`` (``os_error`` says why): nothing was sent."""
+
+    def __init__(self, host: str, port: int, os_error: BaseException) -> None:
+        super().__init__(f"cannot connect to {host}:{port} ({os_error.__class__.__name__}: "
+                         f"{os_error})")
+        self.host, self.port, self.os_error = host, port, os_error
+
+
+class ConnectTimeout(TimeoutError):
+    """No connection within the connect timeout: nothing was sent."""
+
+
+class ReadTimeout(TimeoutError):
+    """The server stayed silent for the read timeout, before or within its answer."""
+
+
+class Disconnected(ConnectionError):
+    """The server closed the connection before its answer was complete."""
+
+
+class ProtocolError(OSError):
+    """The answer is not HTTP/1.1 this client reads (malformed, an upgrade, a bad encoding)."""
+
+
+def wanted() -> bool:
+    """Whether crawls use this client: httptools is installed and ``ASYNCRAWL_HTTP`` is
+    ``auto`` (or unset) or ``httptools``; ``aiohttp`` keeps aiohttp's client for every request.
+    ``httptools`` without httptools installed is a ``ConfigError``."""
+    choice = os.environ.get("ASYNCRAWL_HTTP", "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ConfigError(f"ASYNCRAWL_HTTP must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "httptools" and httptools is None:
+        raise ConfigError("ASYNCRAWL_HTTP=httptools needs httptools: pip install 'asyncrawl[fast]'")
+    return choice != "aiohttp" and httptools is not None
+
+
+class Headers(Mapping[str, str]):
+    """An answer's headers, case-insensitive, parsed into a ``CIMultiDict`` only when first
+    read (a plain 200 is classified without them)."""
+
+    __slots__ = ("_d", "raw")
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self.raw = raw
+        self._d: CIMultiDictProxy[str] | None = None
+
+    @property
+    def multi(self) -> CIMultiDictProxy[str]:
+        if self._d is None:
+            self._d = CIMultiDictProxy(CIMultiDict(
+                (k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw))
+        return self._d
+
+    def __getitem__(self, name: str) -> str:
+        return self.multi[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.multi
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.multi)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def items(self) -> ItemsView[str, str]:  # every pair, repeated names too
+        return self.multi.items()
+
+
+class Answer:
+    """One answer: its status, headers and body (``None``: larger than the limit)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, raw: list[tuple[bytes, bytes]], body: bytes | None) -> None:
+        self.status, self.headers, self.body = status, Headers(raw), body
+
+
+class _Inflate:
+    """``gzip`` / ``deflate`` decoding bounded by ``limit`` bytes of output (a bomb stops
+    there). ``deflate`` is zlib-wrapped by the RFC and raw from some servers: both are read."""
+
+    __slots__ = ("_d", "_raw_ok", "limit", "size")
+
+    def __init__(self, encoding: bytes, limit: int) -> None:
+        gzip = encoding in (b"gzip", b"x-gzip")
+        self._d = zlib.decompressobj(16 + zlib.MAX_WBITS if gzip else zlib.MAX_WBITS)
+        self._raw_ok = not gzip  # (deflate: raw if the first bytes are not zlib's)
+        self.limit, self.size = limit, 0
+
+    def feed(self, data: bytes) -> bytes | None:
+        """The decoded bytes (``None``: the limit is passed). Raises ``zlib.error``."""
+        try:
+            out = self._d.decompress(data, self.limit - self.size + 1)
+        except zlib.error:
+            if not self._raw_ok:
+                raise
+            self._d, self._raw_ok = zlib.decompressobj(-zlib.MAX_WBITS), False
+            out = self._d.decompress(data, self.limit - self.size + 1)
+        self._raw_ok = False
+        self.size += len(out)
+        return None if self.size > self.limit or self._d.unconsumed_tail else out
+
+    def flush(self) -> bytes | None:
+        out = self._d.flush()
+        self.size += len(out)
+        return None if self.size > self.limit else out
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection: sends a request, parses its answer, resolves the waiter."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[Answer] | None = None
+        self.closed = False  # the connection is gone (or going)
+        self.reusable = False  # the last answer left it fit for another request
+        self.idle_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = math.inf
+        self._silence: float | None = None
+        self._last = 0.0
+        self._limit = 0
+        self._raw: list[tuple[bytes, bytes]] = []
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._status = 0
+        self._length: int | None = None
+        self._encoding: bytes | None = None
+        self._inflate: _Inflate | None = None
+        self._chunked = False
+        self._headers_done = False
+        self._head_bytes = 0
+
+    # -- asyncio's callbacks -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiter is None:  # bytes nobody asked for: the connection cannot be trusted
+            self.close()
+            return
+        self._last = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except Exception as e:  # httptools' errors, or a callback's (as its context)
+            cause = e.__cause__ or e.__context__
+            self._fail(cause if isinstance(cause, ProtocolError) else
+                       ProtocolError(f"invalid HTTP answer: {e.__class__.__name__}: {e}"))
+            return
+        if not self._headers_done and self.waiter is not None:
+            self._head_bytes += len(data)  # (httptools would buffer a header of any length)
+            if self._head_bytes > MAX_HEAD:
+                self._fail(ProtocolError(f"a head over {MAX_HEAD} bytes (status line and "
+                                         "headers): not read"))
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is None:
+            return
+        if exc is None and self._headers_done and self._length is None and not self._chunked:
+            self._complete()  # an answer delimited by the close (HTTP/1.0 style)
+            return
+        what = "while sending its answer" if self._headers_done else "before answering"
+        self._fail(Disconnected(f"the server closed the connection {what}"
+                                + (f" ({exc})" if exc else "")))
+
+    # -- httptools' callbacks ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.waiter is None:  # a second answer in the bytes of the first: nobody asked
+            self.close()
+            raise ProtocolError("an answer nobody asked for")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_FIELD:
+            raise ProtocolError(f"a header over {MAX_FIELD} bytes: not read")
+        self._raw.append((name, value))
+        low = name.lower()
+        if low == b"content-length":
+            try:
+                self._length = int(value)
+            except ValueError:
+                self._length = None
+        elif low == b"content-encoding":
+            self._encoding = value.strip().lower()
+        elif low == b"transfer-encoding":
+            self._chunked = True
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
+            self._raw, self._length, self._encoding, self._chunked = [], None, None, False
+            if status == 101 or self.parser.should_upgrade():
+                raise ProtocolError("the server switched protocols")
+            return
+        self._status, self._headers_done = status, True
+        if status in (204, 304):
+            self._length = 0
+        if self._length is not None and self._length > self._limit:
+            self._too_large()
+        elif self._encoding in (b"gzip", b"x-gzip", b"deflate"):
+            self._inflate = _Inflate(self._encoding, self._limit)
+        # (another coding was not asked for: its body is kept as it came, as aiohttp does)
+
+    def on_body(self, body: bytes) -> None:
+        if self.waiter is None:
+            return
+        if self._inflate is not None:
+            try:
+                out = self._inflate.feed(body)
+            except zlib.error as e:
+                raise ProtocolError(f"cannot decode content-encoding {self._encoding!r}: {e}") \
+                    from None
+            if out is None:
+                self._too_large()
+            elif out:
+                self._chunks.append(out)
+            return
+        self._size += len(body)
+        if self._size > self._limit:
+            self._too_large()
+        else:
+            self._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.waiter is not None and self._headers_done:
+            self.reusable = self.parser.should_keep_alive()
+            self._complete()
+
+    # -- one exchange --------------------------------------------------------------------------
+
+    def send(self, payload: bytes, limit: int, deadline: float,
+             silence: float | None) -> asyncio.Future[Answer]:
+        """Write one request; the future resolves with its answer or fails."""
+        self.waiter = waiter = self.loop.create_future()
+        self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
+        self._raw, self._chunks, self._size = [], [], 0
+        self._length, self._encoding, self._inflate = None, None, None
+        self._chunked = self._headers_done = False
+        self._head_bytes = 0
+        self._last = now = self.loop.time()
+        due = min(deadline, now + silence) if silence is not None else deadline
+        if due != math.inf:
+            self._timer = self.loop.call_at(due, self._on_timer)
+        self.transport.write(payload)  # type: ignore[union-attr]
+        return waiter
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.waiter is None:
+            return
+        now = self.loop.time()
+        if now >= self._deadline:
+            self._fail(TimeoutError())
+            return
+        if self._silence is not None:
+            if now >= self._last + self._silence:
+                self._fail(ReadTimeout())
+                return
+            due = min(self._deadline, self._last + self._silence)
+        else:
+            due = self._deadline
+        self._timer = self.loop.call_at(due, self._on_timer)
+
+    def _complete(self) -> None:
+        if self._inflate is not None:
+            tail = self._inflate.flush()
+            if tail is None:
+                self._too_large()
+                return
+            self._chunks.append(tail)
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._resolve(Answer(self._status, self._raw, body))
+
+    def _too_large(self) -> None:
+        """The body passes the limit: the answer without it; the rest is not read."""
+        self.reusable = False
+        self._resolve(Answer(self._status, self._raw, None))
+        self.close()
+
+    def _resolve(self, answer: Answer) -> None:
+        waiter, self.waiter = self.waiter, None
+        self._stop_timer()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(answer)
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter, self.waiter = self.waiter, None
+        self._stop_timer()
+        self.reusable = False
+        self.close()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def close(self) -> None:
+        self.closed = True
+        self.reusable = False
+        self._stop_timer()
+        if self.transport is not None:
+            self.transport.close()
+
+
+def tls(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
+    """The TLS context for ``Fetcher``'s ``ssl`` setting: ``True`` the system's CAs, ``False``
+    no verification, or the context itself."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    ctx = ssl.create_default_context()
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class Client:
+    """Keep-alive connections to any number of origins, at most ``limit`` idle per origin,
+    each idle for at most ``KEEPALIVE`` seconds. ``close`` closes the idle ones; a request in
+    flight closes its own when it ends."""
+
+    def __init__(self, *, limit: int, verify: ssl.SSLContext | bool = True) -> None:
+        if httptools is None:
+            raise ConfigError("this HTTP client needs httptools: pip install 'asyncrawl[fast]'")
+        self.limit = limit
+        self._verify = verify
+        self._tls: ssl.SSLContext | None = None
+        self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
+        self._heads: dict[int, tuple[Mapping[str, str], str]] = {}
+        self._closed = False
+
+    @staticmethod
+    def serves(method: str, url: URL) -> bool:
+        """Whether this client takes the request (else: aiohttp)."""
+        return url.scheme in ("http", "https") and method != "HEAD" and bool(url.raw_host)
+
+    async def request(self, method: str, url: URL, headers: Mapping[str, str], *,
+                      json: Any = None, data: bytes | None = None, limit: int,
+                      total: float | None = None, connect: float | None = None,
+                      silence: float | None = None) -> Answer:
+        """Send one request and read its whole answer (``body`` ``None``: over ``limit``
+        bytes). ``total`` bounds it all, ``connect`` a new connection, ``silence`` how long
+        the server may send nothing."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + total if total else math.inf
+        payload = self._head(method, url, headers, data, json)
+        secure = url.scheme == "https"
+        key = (secure, url.raw_host or "", url.port or (443 if secure else 80))
+        conn = self._take(key, loop.time())
+        if conn is None:
+            conn = await self._connect(loop, key, connect, deadline)
+        try:
+            answer = await conn.send(payload, limit, deadline, silence)
+        except BaseException:
+            conn.close()
+            raise
+        if conn.reusable and not conn.closed and not self._closed:
+            conn.idle_since = loop.time()
+            idle = self._idle.setdefault(key, [])
+            idle.append(conn)
+            if len(idle) > self.limit:
+                idle.pop(0).close()
+        else:
+            conn.close()
+        return answer
+
+    def close(self) -> None:
+        """Close every idle connection; requests in flight close theirs as they end."""
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+    # -- the pieces ----------------------------------------------------------------------------
+
+    def _take(self, key: tuple[bool, str, int], now: float) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < KEEPALIVE:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, key: tuple[bool, str, int],
+                       connect: float | None, deadline: float) -> _Connection:
+        secure, host, port = key
+        timeout = min(connect or math.inf, deadline - loop.time())
+        ctx = None
+        if secure:
+            if self._tls is None:
+                self._tls = tls(self._verify)
+            ctx = self._tls
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Connection(loop), host, port, ssl=ctx,
+                server_hostname=host if secure else None),
+                timeout if timeout != math.inf else None)
+        except TimeoutError:
+            raise ConnectTimeout() from None
+        except (OSError, ssl.SSLError) as e:  # (gaierror, refused, a failed handshake ...)
+            raise ConnectError(host, port, e) from None
+        return conn
+
+    def _head(self, method: str, url: URL, headers: Mapping[str, str], data: bytes | None,
+              json: Any) -> bytes:
+        """The request's bytes: request line, headers, body."""
+        target = url.raw_path_qs or "/"
+        if _BAD_TARGET(target) or _BAD_TARGET(method):
+            raise ValueError(f"a request target or method with a space or control character: "
+                             f"{method!r}")
+        cached = self._heads.get(id(headers))
+        if cached is None or cached[0] is not headers:
+            if len(self._heads) > 64:
+                self._heads.clear()
+            cached = self._heads[id(headers)] = (headers, _fields(headers))
+        fields = cached[1]
+        if not fields.startswith("\r\nHost:"):
+            fields = f"\r\nHost: {_host(url)}{fields}"
+        if url.raw_user is not None and "\nauthorization:" not in fields.lower():
+            token = base64.b64encode(f"{url.user or ''}:{url.password or ''}".encode()).decode()
+            fields += f"\r\nAuthorization: Basic {token}"
+        if json is not None:
+            data = orjson.dumps(json)
+            if "\ncontent-type:" not in fields.lower():
+                fields += "\r\nContent-Type: application/json"
+        if data is not None:
+            fields += f"\r\nContent-Length: {len(data)}"
+        elif method in ("POST", "PUT", "PATCH"):
+            fields += "\r\nContent-Length: 0"
+        head = f"{method} {target} HTTP/1.1{fields}\r\n\r\n".encode("latin-1")
+        return head + data if data is not None else head
+
+
+def _host(url: URL) -> str:
+    """The ``Host`` header's value: the host (in brackets if IPv6), and its port unless the
+    scheme's default."""
+    host = url.raw_host or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return host if url.is_default_port() else f"{host}:{url.port}"
+
+
+def _fields(headers: Mapping[str, str]) -> str:
+    """The header lines (each preceded by CRLF): an application's ``Host`` first if it sets
+    one, the defaults it does not set, then its headers. A name or value with CR, LF or NUL,
+    or a name with a colon or space, is refused."""
+    names = {k.lower() for k in headers}
+    out = [f"\r\n{name}: {value}" for low, name, value in _DEFAULTS if low not in names]
+    for name, value in headers.items():
+        value = str(value)
+        if not name or _BAD_FIELD(name) or _BAD_FIELD(value) or ":" in name or " " in name:
+            raise ValueError(f"invalid header name or value for {name!r}")
+        if name.lower() == "host":
+            out.insert(0, f"\r\nHost: {value}")
+        else:
+            out.append(f"\r\n{name}: {value}")
+    return "".join(out)

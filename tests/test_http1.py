@@ -1,0 +1,382 @@
+"""http1.py, the fast extra's HTTP/1.1 client, against real servers on loopback that answer
+byte by byte as a test tells them: keep-alive reuse, the ways an answer is delimited (length,
+chunks, the close), interim answers, gzip and deflate, the body limit, every failure (refused,
+closed before or within the answer, malformed, silent, too slow) and what each one means for
+the in-doubt record, and what it refuses to send. (tests/test_fetch.py runs all of fetch.py's
+tests through this client too.)"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from asyncrawl import Config
+from asyncrawl.errors import ConfigError
+from asyncrawl.fetch import Fetcher, Outcome
+
+http1 = pytest.importorskip("asyncrawl.http1")
+if http1.httptools is None:  # pragma: no cover - CI installs the fast extra
+    pytest.skip("httptools (the fast extra) is not installed", allow_module_level=True)
+
+Answer = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class Raw:
+    """A server that reads each request's head and lets ``answer`` write what it likes;
+    ``answer`` returns whether the connection stays open for the next request."""
+
+    answer: Answer
+    port: int = 0
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                head += await reader.readexactly(length)
+                self.requests.append(head)
+                if not await self.answer(head, reader, writer):
+                    return
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[Callable[[Answer], Awaitable[Raw]]]:
+    servers: list[asyncio.base_events.Server] = []
+
+    async def start(answer: Answer) -> Raw:
+        r = Raw(answer)
+        srv = await asyncio.start_server(r.handle, "127.0.0.1", 0)
+        servers.append(srv)
+        r.port = srv.sockets[0].getsockname()[1]
+        return r
+
+    yield start
+    for srv in servers:
+        srv.close()
+        await srv.wait_closed()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[http1.Client]:
+    c = http1.Client(limit=8)
+    yield c
+    c.close()
+
+
+def ok(body: bytes = b'{"a": 1}', extra: bytes = b"") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body)
+
+
+async def get(client: http1.Client, url: str, *, limit: int = 1000,
+              **kw: float) -> http1.Answer:
+    return await client.request("GET", http1.URL(url), {}, limit=limit, **kw)
+
+
+async def test_one_connection_carries_many_requests(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    for i in range(5):
+        a = await get(client, f"{srv.url}/items/{i}")
+        assert (a.status, a.body) == (200, b'{"a": 1}')
+    assert srv.connections == 1
+    assert [r.split(b" ")[1] for r in srv.requests] == [f"/items/{i}".encode() for i in range(5)]
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_used_again(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return False  # closes after every answer, without saying so
+
+    srv = await raw(answer)
+    for i in range(3):
+        await get(client, f"{srv.url}/{i}")
+        # (the close reaches the client before the next request: it must see it)
+        for _ in range(100):
+            await asyncio.sleep(0)
+    assert srv.connections == 3
+
+
+async def test_connection_close_is_honoured(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok(extra=b"Connection: close\r\n"))
+        return True  # the server would go on: the client must not
+
+    srv = await raw(answer)
+    await get(client, f"{srv.url}/1")
+    await get(client, f"{srv.url}/2")
+    assert srv.connections == 2
+
+
+async def test_an_answer_delimited_by_the_close_is_read_whole(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\":")
+        await writer.drain()
+        writer.write(b" 2}")
+        return False
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x")
+    assert a.body == b'{"a": 2}'
+
+
+async def test_chunks_are_joined_and_interim_answers_skipped(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Id: 7\r\n\r\n"
+                     b"3\r\n{\"a\r\n5\r\n\": 3}\r\n0\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x")
+    b = await get(client, f"{srv.url}/y")
+    assert a.status == b.status == 200 and a.body == b.body == b'{"a": 3}'
+    assert a.headers["x-id"] == "7" and "Link" not in a.headers
+    assert srv.connections == 1
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "raw-deflate"])
+async def test_gzip_and_both_deflates_are_decoded(raw, client, coding: str) -> None:
+    body = b'{"text": "' + b"x" * 5000 + b'"}'
+    packed = {"gzip": gzip.compress(body), "deflate": zlib.compress(body)}.get(coding)
+    if packed is None:
+        c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        packed = c.compress(body) + c.flush()
+    name = coding.removeprefix("raw-").encode()
+
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok(packed, b"Content-Encoding: " + name + b"\r\n"))
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x", limit=10_000)
+    assert a.body == body
+    assert b"accept-encoding: gzip, deflate" in srv.requests[0].lower()
+
+
+@pytest.mark.parametrize("how", ["length", "stream", "bomb"])
+async def test_a_body_over_the_limit_is_none_and_its_connection_dropped(raw, client,
+                                                                         how: str) -> None:
+    async def answer(head, reader, writer) -> bool:
+        if how == "length":
+            writer.write(ok(b"x" * 2000))
+        elif how == "stream":
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(10):
+                writer.write(b"100\r\n" + b"y" * 256 + b"\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        else:
+            writer.write(ok(gzip.compress(b"0" * 10_000_000), b"Content-Encoding: gzip\r\n"))
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x", limit=1000)
+    assert a.status == 200 and a.body is None
+    await get(client, f"{srv.url}/y", limit=1000)
+    assert srv.connections == 2  # (the rest of that body was not read: no reuse)
+
+
+async def test_a_refused_connect_sent_nothing(client) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(http1.ConnectError) as e:
+        await get(client, f"http://127.0.0.1:{port}/x")
+    assert isinstance(e.value.os_error, ConnectionRefusedError)
+
+
+@pytest.mark.parametrize("when", ["before", "within"])
+async def test_a_close_before_the_whole_answer_is_disconnected(raw, client, when: str) -> None:
+    async def answer(head, reader, writer) -> bool:
+        if when == "within":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\"")
+        return False
+
+    srv = await raw(answer)
+    with pytest.raises(http1.Disconnected, match=f"{'before answering' if when == 'before' else 'while'}"):
+        await get(client, f"{srv.url}/x")
+
+
+async def test_a_malformed_answer_is_a_protocol_error(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 two hundred\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    with pytest.raises(http1.ProtocolError):
+        await get(client, f"{srv.url}/x")
+
+
+async def test_silence_and_slowness_time_out(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        if b"/trickle" in head:  # never silent for long, but never done
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            for _ in range(100):
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(5)
+        return False
+
+    srv = await raw(answer)
+    with pytest.raises(http1.ReadTimeout):
+        await get(client, f"{srv.url}/silent", silence=0.1, total=5)
+    with pytest.raises(TimeoutError) as e:
+        await get(client, f"{srv.url}/trickle", silence=0.5, total=0.3)
+    assert type(e.value) is TimeoutError
+
+
+async def test_what_is_sent(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    await client.request("POST", http1.URL(f"http://u:p%40ss@127.0.0.1:{srv.port}/a?b=1"),
+                         {"X-Key": "k"}, json={"id": "é"}, limit=100)
+    head, _, body = srv.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /a?b=1 HTTP/1.1"
+    assert f"Host: 127.0.0.1:{srv.port}".encode() in lines
+    assert b"Authorization: Basic dTpwQHNz" in lines  # u:p@ss
+    assert b"X-Key: k" in lines and b"Content-Type: application/json" in lines
+    assert body == '{"id":"é"}'.encode() and f"Content-Length: {len(body)}".encode() in lines
+
+
+@pytest.mark.parametrize("headers", [{"X-A": "v\r\nX-Injected: 1"}, {"X-A\r\nB": "v"},
+                                     {"X A": "v"}, {"X-A": "v\x00"}])
+async def test_a_header_that_would_split_the_request_is_refused(raw, client,
+                                                                headers: dict[str, str]) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    with pytest.raises(ValueError):
+        await client.request("GET", http1.URL(f"{srv.url}/x"), headers, limit=100)
+    assert srv.requests == []
+
+
+async def test_unasked_bytes_on_an_idle_connection_retire_it(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        await writer.drain()
+        writer.write(ok(b'{"stale": 1}'))  # a second answer nobody asked for
+        return True
+
+    srv = await raw(answer)
+    await get(client, f"{srv.url}/1")
+    for _ in range(100):
+        await asyncio.sleep(0)
+    a = await get(client, f"{srv.url}/2")
+    assert a.body == b'{"a": 1}'  # never the stale one
+    assert srv.connections == 2
+
+
+async def test_in_doubt_marks_through_the_fetcher(raw) -> None:
+    """A request that failed after it had its connection may have been billed (unanswered);
+    one that found nothing listening was not."""
+    async def answer(head, reader, writer) -> bool:
+        return False  # reads the request, closes without a word
+
+    srv = await raw(answer)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    async with aiohttp.ClientSession() as session:
+        for url, unanswered in ((f"{srv.url}/{{id}}", True),
+                                (f"http://127.0.0.1:{dead}/{{id}}", False)):
+            fetcher = Fetcher(session, Config(url=url, timeout=5), lean=True)
+            try:
+                assert fetcher.lean is not None
+                a = await fetcher.attempt("x")
+            finally:
+                fetcher.close()
+            assert a.outcome is Outcome.RETRY and a.unanswered is unanswered, a
+
+
+def test_the_environment_chooses_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, want in (("", True), ("auto", True), ("httptools", True), ("aiohttp", False)):
+        monkeypatch.setenv("ASYNCRAWL_HTTP", value)
+        assert http1.wanted() is want
+    monkeypatch.setenv("ASYNCRAWL_HTTP", "curl")
+    with pytest.raises(ConfigError, match="ASYNCRAWL_HTTP must be one of"):
+        http1.wanted()
+
+
+async def test_a_head_that_never_ends_is_cut_off(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(2000):  # small headers, each under the field limit, without end
+            writer.write(b"X-%d: %s\r\n" % (i, b"v" * 60))
+            await writer.drain()
+        await asyncio.sleep(5)
+        return False
+
+    srv = await raw(answer)
+    with pytest.raises(http1.ProtocolError, match="a head over"):
+        await get(client, f"{srv.url}/x", total=5)
+
+
+async def test_a_crawler_sends_through_http1_unless_its_session_is_given(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crawler's own session: http1 (its User-Agent); ``ASYNCRAWL_HTTP=aiohttp``, or a
+    session the application passes: aiohttp's client, as given."""
+    from aiohttp import web
+
+    from asyncrawl import Crawler, new_session
+
+    agents: list[str] = []
+
+    async def item(request: web.Request) -> web.Response:
+        agents.append(request.headers.get("User-Agent", ""))
+        return web.json_response({"id": request.match_info["id"]})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", item)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/items/{{id}}"
+    try:
+        def config(name: str) -> Config:
+            return Config(url=url, state_dir=str(tmp_path / name), cooldown=0)
+
+        async with Crawler(config("own")) as crawler:
+            assert (await crawler.run(["a"])).ok == 1
+        assert agents[-1].startswith("asyncrawl/")
+        cfg = config("given")
+        async with new_session(cfg) as session:
+            assert (await Crawler(cfg, session=session).run(["b"])).ok == 1
+        assert "aiohttp" in agents[-1]
+        monkeypatch.setenv("ASYNCRAWL_HTTP", "aiohttp")
+        assert (await Crawler(config("env")).run(["c"])).ok == 1
+        assert "aiohttp" in agents[-1]
+    finally:
+        await runner.cleanup()
