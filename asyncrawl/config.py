@@ -656,6 +656,10 @@ def _check_values(c: Config) -> None:
                             "(set [request] method, or -X)")
     if c.content_type is not None and c.body is None:
         raise bad("content_type", "is the type of [request] body, which is not set")
+    framing = [k for k in c.headers if k.strip().lower() in ("content-length", "transfer-encoding")]
+    if framing:
+        raise bad("headers", f"{framing[0]!r} is the HTTP client's to set (it frames the "
+                             "request body): remove it from [request.headers]")
     _check_keys(c)
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:

@@ -377,7 +377,8 @@ class Fetcher:
                     answer = await self.lean.request(
                         method, url, headers, json=body, data=data, limit=cfg.max_body_bytes,
                         total=self.timeout.total, connect=self.timeout.sock_connect,
-                        silence=self.timeout.sock_read)
+                        silence=self.timeout.sock_read,
+                        fixed=req is None and headers is self._builds[lane].headers)
                     status, answered = answer.status, answer.headers
                     if status not in REDIRECTS or "Location" not in answered:
                         return self._classify(item_id, status, answered, answer.body)
@@ -459,7 +460,9 @@ class Fetcher:
         return _CONNECTED.get() if self._marks else True
 
     def _timeout_error(self, e: TimeoutError) -> str:
-        if isinstance(e, (http1.ConnectTimeout, _CONNECT_TIMEOUT)):
+        if isinstance(e, http1.ConnectTimeout):
+            return f"timeout: {e}"
+        if isinstance(e, _CONNECT_TIMEOUT):
             return f"timeout: no connection within {self.timeout.sock_connect:g}s"
         if isinstance(e, (http1.ReadTimeout, _READ_TIMEOUT)):
             return f"timeout: the server sent nothing for {self.timeout.sock_read:g}s"

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
+import json as stdjson
 import math
 import os
 import re
+import socket
 import ssl
 import sys
+import time
 import zlib
 from collections.abc import ItemsView, Iterator, Mapping
 from typing import Any
 
-import orjson
+import aiohappyeyeballs
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -42,7 +46,10 @@ except ImportError:  # the fast extra is not installed
 
 CHOICES = ("auto", "aiohttp", "httptools")
 KEEPALIVE = 15.0  # seconds an idle connection is kept (aiohttp's default too)
-MAX_HEAD = 64 * 1024  # bytes: an answer's status line and headers (a normal one is < 2 KiB)
+DNS_TTL = 300.0  # seconds a host's addresses are kept (as the fetcher's aiohttp session does)
+HAPPY_EYEBALLS = 0.25  # seconds before the next address is tried beside (RFC 8305; aiohttp's)
+MAX_HEAD = 64 * 1024  # bytes: an answer's head, and its trailers (a normal head is < 2 KiB);
+#                        checked once per read, so a read that ends the head may pass it
 MAX_FIELD = 8190  # bytes: one header, name and value (aiohttp's limit too)
 USER_AGENT = f"asyncrawl/{__version__} Python/{sys.version_info[0]}.{sys.version_info[1]}"
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]").search
@@ -61,7 +68,13 @@ class ConnectError(OSError):
 
 
 class ConnectTimeout(TimeoutError):
-    """No connection within the connect timeout: nothing was sent."""
+    """No connection within ``after`` seconds (the connect timeout, or what the total left):
+    nothing was sent."""
+
+    def __init__(self, after: float) -> None:
+        super().__init__(f"no connection within {after:g}s" if after != math.inf
+                         else "no connection (the system's connect timeout)")
+        self.after = after
 
 
 class ReadTimeout(TimeoutError):
@@ -102,7 +115,8 @@ class Headers(Mapping[str, str]):
     def multi(self) -> CIMultiDictProxy[str]:
         if self._d is None:
             self._d = CIMultiDictProxy(CIMultiDict(
-                (k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw))
+                (k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
+                for k, v in self.raw))
         return self._d
 
     def __getitem__(self, name: str) -> str:
@@ -132,31 +146,38 @@ class Answer:
 
 class _Inflate:
     """``gzip`` / ``deflate`` decoding bounded by ``limit`` bytes of output (a bomb stops
-    there). ``deflate`` is zlib-wrapped by the RFC and raw from some servers: both are read."""
+    there). ``deflate`` is zlib-wrapped by the RFC and raw from some servers: the first byte
+    tells which (as aiohttp reads it). Bytes after the end of the stream, or a stream that
+    ends early, are an error (``zlib.error``)."""
 
-    __slots__ = ("_d", "_raw_ok", "limit", "size")
+    __slots__ = ("_d", "gzip", "limit", "size")
 
     def __init__(self, encoding: bytes, limit: int) -> None:
-        gzip = encoding in (b"gzip", b"x-gzip")
-        self._d = zlib.decompressobj(16 + zlib.MAX_WBITS if gzip else zlib.MAX_WBITS)
-        self._raw_ok = not gzip  # (deflate: raw if the first bytes are not zlib's)
+        self.gzip = encoding in (b"gzip", b"x-gzip")
+        self._d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if self.gzip else None
         self.limit, self.size = limit, 0
 
     def feed(self, data: bytes) -> bytes | None:
         """The decoded bytes (``None``: the limit is passed). Raises ``zlib.error``."""
-        try:
-            out = self._d.decompress(data, self.limit - self.size + 1)
-        except zlib.error:
-            if not self._raw_ok:
-                raise
-            self._d, self._raw_ok = zlib.decompressobj(-zlib.MAX_WBITS), False
-            out = self._d.decompress(data, self.limit - self.size + 1)
-        self._raw_ok = False
+        if not data:
+            return b""
+        if self._d is None:  # deflate's first byte: a zlib header (CM = 8), else raw
+            self._d = zlib.decompressobj(zlib.MAX_WBITS if data[0] & 0x0F == 8
+                                         else -zlib.MAX_WBITS)
+        elif self._d.eof:
+            raise zlib.error("data after the end of the compressed stream")
+        out = self._d.decompress(data, self.limit - self.size + 1)
+        if self._d.unused_data:
+            raise zlib.error("data after the end of the compressed stream")
         self.size += len(out)
         return None if self.size > self.limit or self._d.unconsumed_tail else out
 
     def flush(self) -> bytes | None:
+        if self._d is None:  # (no body at all)
+            return b""
         out = self._d.flush()
+        if not self._d.eof:
+            raise zlib.error("the compressed stream ends early")
         self.size += len(out)
         return None if self.size > self.limit else out
 
@@ -212,6 +233,7 @@ class _Connection(asyncio.Protocol):
                                          "headers): not read"))
 
     def eof_received(self) -> bool:
+        self.closed = True  # (before connection_lost, a turn later: not to be taken again)
         return False  # the transport closes; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -235,6 +257,11 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) > MAX_FIELD:
             raise ProtocolError(f"a header over {MAX_FIELD} bytes: not read")
+        if self._headers_done:  # a trailer (after a chunked body): counted, not kept
+            self._head_bytes += len(name) + len(value)
+            if self._head_bytes > MAX_HEAD:
+                raise ProtocolError(f"trailers over {MAX_HEAD} bytes: not read")
+            return
         self._raw.append((name, value))
         low = name.lower()
         if low == b"content-length":
@@ -244,8 +271,8 @@ class _Connection(asyncio.Protocol):
                 self._length = None
         elif low == b"content-encoding":
             self._encoding = value.strip().lower()
-        elif low == b"transfer-encoding":
-            self._chunked = True
+        elif low == b"transfer-encoding":  # (chunked if last; else the close ends the body)
+            self._chunked = value.rstrip().lower().endswith(b"chunked")
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -254,7 +281,7 @@ class _Connection(asyncio.Protocol):
             if status == 101 or self.parser.should_upgrade():
                 raise ProtocolError("the server switched protocols")
             return
-        self._status, self._headers_done = status, True
+        self._status, self._headers_done, self._head_bytes = status, True, 0
         if status in (204, 304):
             self._length = 0
         if self._length is not None and self._length > self._limit:
@@ -270,8 +297,7 @@ class _Connection(asyncio.Protocol):
             try:
                 out = self._inflate.feed(body)
             except zlib.error as e:
-                raise ProtocolError(f"cannot decode content-encoding {self._encoding!r}: {e}") \
-                    from None
+                raise self._undecodable(e) from None
             if out is None:
                 self._too_large()
             elif out:
@@ -323,9 +349,17 @@ class _Connection(asyncio.Protocol):
             due = self._deadline
         self._timer = self.loop.call_at(due, self._on_timer)
 
+    def _undecodable(self, e: zlib.error) -> ProtocolError:
+        coding = (self._encoding or b"").decode("latin-1")
+        return ProtocolError(f"cannot decode content-encoding {coding}: {e}")
+
     def _complete(self) -> None:
         if self._inflate is not None:
-            tail = self._inflate.flush()
+            try:
+                tail = self._inflate.flush()
+            except zlib.error as e:
+                self._fail(self._undecodable(e))
+                return
             if tail is None:
                 self._too_large()
                 return
@@ -379,6 +413,9 @@ def tls(verify: ssl.SSLContext | bool) -> ssl.SSLContext:
     return ctx
 
 
+AddrInfo = tuple[int, int, int, str, tuple[Any, ...]]
+
+
 class Client:
     """Keep-alive connections to any number of origins, at most ``limit`` idle per origin,
     each idle for at most ``KEEPALIVE`` seconds. ``close`` closes the idle ones; a request in
@@ -391,24 +428,27 @@ class Client:
         self._verify = verify
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
-        self._heads: dict[int, tuple[Mapping[str, str], str]] = {}
+        self._addresses: dict[tuple[str, int], tuple[float, list[AddrInfo]]] = {}
+        self._fixed: dict[int, tuple[Mapping[str, str], str]] = {}
         self._closed = False
 
     @staticmethod
     def serves(method: str, url: URL) -> bool:
         """Whether this client takes the request (else: aiohttp)."""
-        return url.scheme in ("http", "https") and method != "HEAD" and bool(url.raw_host)
+        return url.scheme in ("http", "https") and method.upper() != "HEAD" \
+            and bool(url.raw_host)
 
     async def request(self, method: str, url: URL, headers: Mapping[str, str], *,
                       json: Any = None, data: bytes | None = None, limit: int,
                       total: float | None = None, connect: float | None = None,
-                      silence: float | None = None) -> Answer:
+                      silence: float | None = None, fixed: bool = False) -> Answer:
         """Send one request and read its whole answer (``body`` ``None``: over ``limit``
         bytes). ``total`` bounds it all, ``connect`` a new connection, ``silence`` how long
-        the server may send nothing."""
+        the server may send nothing. ``fixed``: ``headers`` never change (the config's: their
+        lines are made once)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total if total else math.inf
-        payload = self._head(method, url, headers, data, json)
+        payload = self._head(method.upper(), url, headers, data, json, fixed)
         secure = url.scheme == "https"
         key = (secure, url.raw_host or "", url.port or (443 if secure else 80))
         conn = self._take(key, loop.time())
@@ -423,8 +463,10 @@ class Client:
             conn.idle_since = loop.time()
             idle = self._idle.setdefault(key, [])
             idle.append(conn)
-            if len(idle) > self.limit:
-                idle.pop(0).close()
+            if len(idle) > self.limit:  # (the closed first, then the longest idle)
+                idle[:] = [c for c in idle if not c.closed]
+                while len(idle) > self.limit:
+                    idle.pop(0).close()
         else:
             conn.close()
         return answer
@@ -443,59 +485,101 @@ class Client:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < KEEPALIVE:
+            if not conn.closed and now - conn.idle_since < KEEPALIVE \
+                    and not conn.transport.is_closing():  # type: ignore[union-attr]
                 return conn
             conn.close()
         return None
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, key: tuple[bool, str, int],
                        connect: float | None, deadline: float) -> _Connection:
+        """A new connection: the host's addresses (cached ``DNS_TTL``), tried as RFC 8305's
+        happy eyeballs do (aiohappyeyeballs, as aiohttp does), then TLS for https."""
         secure, host, port = key
-        timeout = min(connect or math.inf, deadline - loop.time())
+        budget = min(connect or math.inf, deadline - loop.time())
         ctx = None
         if secure:
             if self._tls is None:
                 self._tls = tls(self._verify)
             ctx = self._tls
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(
-                lambda: _Connection(loop), host, port, ssl=ctx,
-                server_hostname=host if secure else None),
-                timeout if timeout != math.inf else None)
-        except TimeoutError:
-            raise ConnectTimeout() from None
+            async with asyncio.timeout(budget if budget != math.inf else None):
+                infos = await self._resolve(loop, host, port)
+                sock = await aiohappyeyeballs.start_connection(
+                    infos, happy_eyeballs_delay=HAPPY_EYEBALLS, loop=loop)
+                try:
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(loop), sock=sock, ssl=ctx,
+                        server_hostname=host if secure else None)
+                except BaseException:
+                    sock.close()
+                    raise
+        except TimeoutError:  # (the budget's, or the kernel's connect timeout)
+            raise ConnectTimeout(max(budget, 0.0)) from None
         except (OSError, ssl.SSLError) as e:  # (gaierror, refused, a failed handshake ...)
             raise ConnectError(host, port, e) from None
         return conn
 
+    async def _resolve(self, loop: asyncio.AbstractEventLoop, host: str,
+                       port: int) -> list[AddrInfo]:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if ip is not None:  # (no lookup, and no thread for one)
+            if ip.version == 6:
+                return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
+                         (host, port, 0, 0))]
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+        now = time.monotonic()
+        cached = self._addresses.get((host, port))
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        self._addresses[(host, port)] = (now + DNS_TTL, infos)
+        return infos
+
     def _head(self, method: str, url: URL, headers: Mapping[str, str], data: bytes | None,
-              json: Any) -> bytes:
-        """The request's bytes: request line, headers, body."""
+              json: Any, fixed: bool) -> bytes:
+        """The request's bytes: request line, headers (UTF-8, as aiohttp sends them), body."""
         target = url.raw_path_qs or "/"
         if _BAD_TARGET(target) or _BAD_TARGET(method):
             raise ValueError(f"a request target or method with a space or control character: "
                              f"{method!r}")
-        cached = self._heads.get(id(headers))
-        if cached is None or cached[0] is not headers:
-            if len(self._heads) > 64:
-                self._heads.clear()
-            cached = self._heads[id(headers)] = (headers, _fields(headers))
-        fields = cached[1]
+        if fixed:
+            cached = self._fixed.get(id(headers))
+            if cached is None or cached[0] is not headers:
+                cached = self._fixed[id(headers)] = (headers, _fields(headers))
+            fields = cached[1]
+        else:
+            fields = _fields(headers)
         if not fields.startswith("\r\nHost:"):
             fields = f"\r\nHost: {_host(url)}{fields}"
-        if url.raw_user is not None and "\nauthorization:" not in fields.lower():
-            token = base64.b64encode(f"{url.user or ''}:{url.password or ''}".encode()).decode()
-            fields += f"\r\nAuthorization: Basic {token}"
-        if json is not None:
-            data = orjson.dumps(json)
+        if url.raw_user is not None:
+            if "\nauthorization:" in fields.lower():
+                raise ValueError("an Authorization header and credentials in the URL: one or "
+                                 "the other")
+            fields += f"\r\nAuthorization: Basic {_basic(url.user or '', url.password or '')}"
+        if json is not None:  # (a hook's: serialised as aiohttp's session does)
+            data = stdjson.dumps(json).encode()
             if "\ncontent-type:" not in fields.lower():
                 fields += "\r\nContent-Type: application/json"
         if data is not None:
             fields += f"\r\nContent-Length: {len(data)}"
         elif method in ("POST", "PUT", "PATCH"):
             fields += "\r\nContent-Length: 0"
-        head = f"{method} {target} HTTP/1.1{fields}\r\n\r\n".encode("latin-1")
+        head = f"{method} {target} HTTP/1.1{fields}\r\n\r\n".encode()
         return head + data if data is not None else head
+
+
+def _basic(user: str, password: str) -> str:
+    """Basic credentials as aiohttp encodes them (latin-1; UTF-8 for what latin-1 lacks)."""
+    text = f"{user}:{password}"
+    try:
+        raw = text.encode("latin-1")
+    except UnicodeEncodeError:
+        raw = text.encode()
+    return base64.b64encode(raw).decode("ascii")
 
 
 def _host(url: URL) -> str:
@@ -517,6 +601,8 @@ def _fields(headers: Mapping[str, str]) -> str:
         value = str(value)
         if not name or _BAD_FIELD(name) or _BAD_FIELD(value) or ":" in name or " " in name:
             raise ValueError(f"invalid header name or value for {name!r}")
+        if name.lower() in ("content-length", "transfer-encoding"):  # (the client frames)
+            raise ValueError(f"{name!r} is the HTTP client's to set")
         if name.lower() == "host":
             out.insert(0, f"\r\nHost: {value}")
         else:

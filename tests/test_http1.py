@@ -8,6 +8,7 @@ tests through this client too.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import socket
 import zlib
@@ -265,7 +266,7 @@ async def test_what_is_sent(raw, client) -> None:
     assert f"Host: 127.0.0.1:{srv.port}".encode() in lines
     assert b"Authorization: Basic dTpwQHNz" in lines  # u:p@ss
     assert b"X-Key: k" in lines and b"Content-Type: application/json" in lines
-    assert body == '{"id":"é"}'.encode() and f"Content-Length: {len(body)}".encode() in lines
+    assert body == b'{"id": "\\u00e9"}' and f"Content-Length: {len(body)}".encode() in lines
 
 
 @pytest.mark.parametrize("headers", [{"X-A": "v\r\nX-Injected: 1"}, {"X-A\r\nB": "v"},
@@ -380,3 +381,157 @@ async def test_a_crawler_sends_through_http1_unless_its_session_is_given(
         assert "aiohttp" in agents[-1]
     finally:
         await runner.cleanup()
+
+
+# -- what a review found (each test fails on the first version of http1) ----------------------
+
+async def test_trailers_are_not_headers_and_cannot_flood(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")
+        if b"/flood" in head:
+            for i in range(5000):
+                writer.write(b"X-T%d: %s\r\n" % (i, b"t" * 100))
+                await writer.drain()
+        writer.write(b"Retry-After: 3600\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x")
+    assert (a.status, a.body) == (503, b"{}") and "Retry-After" not in a.headers
+    with pytest.raises(http1.ProtocolError, match="trailers over"):
+        await get(client, f"{srv.url}/flood", total=10)
+
+
+async def test_text_beyond_ascii_goes_as_utf8_both_ways(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok(extra="Location: /café\r\n".encode()))
+        return True
+
+    srv = await raw(answer)
+    a = await client.request("GET", http1.URL(f"{srv.url}/x"), {"X-Note": "price €"}, limit=100)
+    assert "X-Note: price €".encode() in srv.requests[0]
+    assert a.headers["Location"] == "/café"
+
+
+async def test_headers_an_application_changes_are_sent_as_they_are_now(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    headers = {"Authorization": "Bearer one"}
+    for token in ("one", "two"):
+        headers["Authorization"] = f"Bearer {token}"
+        await client.request("GET", http1.URL(f"{srv.url}/x"), headers, limit=100)
+    assert b"Bearer two" in srv.requests[1]
+
+
+@pytest.mark.parametrize("case", ["after-the-end", "cut-short", "raw-deflate-byte-by-byte"])
+async def test_a_compressed_body_is_whole_or_an_error(raw, client, case: str) -> None:
+    body = b'{"a": "' + b"x" * 3000 + b'"}'
+    if case == "raw-deflate-byte-by-byte":
+        c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+        packed, coding = c.compress(body) + c.flush(), b"deflate"
+    else:
+        packed, coding = gzip.compress(body), b"gzip"
+        packed = packed + b"junk" * 100 if case == "after-the-end" else packed[:len(packed) // 2]
+
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Encoding: "
+                     + coding + b"\r\n\r\n")
+        for i in range(len(packed)):
+            writer.write(b"1\r\n" + packed[i:i + 1] + b"\r\n")
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    if case == "raw-deflate-byte-by-byte":
+        assert (await get(client, f"{srv.url}/x", limit=10_000)).body == body
+    else:
+        with pytest.raises(http1.ProtocolError, match="cannot decode content-encoding gzip"):
+            await get(client, f"{srv.url}/x", limit=10_000)
+
+
+async def test_a_transfer_coding_other_than_chunked_ends_with_the_close(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n{\"a\": 5}")
+        return False
+
+    srv = await raw(answer)
+    assert (await get(client, f"{srv.url}/x")).body == b'{"a": 5}'
+
+
+async def test_a_connection_closing_when_taken_is_not_used(raw, client) -> None:
+    """The server's FIN arrived (eof_received), its connection_lost not yet: a request on it
+    would go nowhere and count as in doubt."""
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return False
+
+    srv = await raw(answer)
+    await get(client, f"{srv.url}/1")
+    idle = next(iter(client._idle.values()), [])
+    for _ in range(200):
+        if not idle or idle[0].closed:
+            break
+        await asyncio.sleep(0.001)
+    a = await get(client, f"{srv.url}/2")
+    assert a.status == 200 and srv.connections == 2
+
+
+async def test_a_hook_s_json_and_method_go_as_aiohttp_sends_them(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    await client.request("post", http1.URL(f"{srv.url}/x"), {}, json={1: "a", "n": 2**70},
+                         limit=100)
+    head, _, body = srv.requests[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /x HTTP/1.1") and body == b'{"1": "a", "n": 1180591620717411303424}'
+    assert not http1.Client.serves("head", http1.URL(srv.url))
+
+
+def test_framing_headers_are_the_client_s() -> None:
+    for name in ("Content-Length", "transfer-encoding"):
+        with pytest.raises(ConfigError, match="the HTTP client's to set"):
+            Config(url="http://127.0.0.1/{id}", headers={name: "5"})
+
+
+async def test_happy_eyeballs_past_an_address_that_never_answers(
+        raw, client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host whose first address drops SYNs (::1 with a full accept queue) and whose second
+    serves: the second is tried after 0.25 s, not after the whole connect timeout."""
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok())
+        return True
+
+    srv = await raw(answer)
+    hole = socket.socket(socket.AF_INET6)
+    try:
+        hole.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        hole.bind(("::1", srv.port))
+    except OSError as e:  # pragma: no cover - depends on the host's loopback
+        hole.close()
+        pytest.skip(f"no IPv6 loopback: {e}")
+    hole.listen(0)
+    fillers = []
+    for _ in range(3):  # fill the accept queue: later SYNs are dropped
+        c = socket.socket(socket.AF_INET6)
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("::1", srv.port))
+        fillers.append(c)
+
+    async def resolve(self, loop, host, port):
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(http1.Client, "_resolve", resolve)
+    try:
+        a = await get(client, f"http://dual.test:{srv.port}/x", connect=30, total=60)
+        assert a.status == 200
+    finally:
+        for c in fillers:
+            c.close()
+        hole.close()
