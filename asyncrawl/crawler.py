@@ -38,7 +38,9 @@ class Crawler:
         session: an ``aiohttp.ClientSession`` to use; it is never closed by the crawler. Build
             it with :func:`asyncrawl.new_session` to keep the guarantee that every request
             that leaves has its ``sent`` record (a plain session resends a dropped GET once,
-            silently: a warning says so).
+            silently: a warning says so). Without it the crawler makes its own, and with the
+            ``fast`` extra installed sends through ``asyncrawl.http1`` instead (aiohttp's
+            client for a proxy or ``HEAD``; ``ASYNCRAWL_HTTP=aiohttp`` for everything).
         request_for: hook building the ``Request`` for an ID (default: the config's template).
         classify: hook overriding the outcome class of a response (return ``None`` to keep it).
         on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
