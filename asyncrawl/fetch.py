@@ -427,9 +427,12 @@ class Fetcher:
         """Where a redirect leads (its URL, and the headers to send there: none secret if to
         another origin), or the ``Attempt`` that ends here: not followed, too many, invalid."""
         cfg = self.config
+        # the server's bytes as text that can be stored (not UTF-8: escaped, not surrogates)
+        location = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         try:
             target = url.join(URL(location))
             same = target.origin() == url.origin()
+            (target.raw_host or "").encode("idna")  # (an empty or over-long label: invalid)
         except ValueError:  # not a URL, or one without a host (mailto:, data:)
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
                 f"redirect to an invalid Location {location}"[:500]), kind=ErrorKind.REDIRECT)

@@ -147,33 +147,39 @@ class Answer:
 class _Inflate:
     """``gzip`` / ``deflate`` decoding bounded by ``limit`` bytes of output (a bomb stops
     there). ``deflate`` is zlib-wrapped by the RFC and raw from some servers: the first byte
-    tells which (as aiohttp reads it). Bytes after the end of the stream, or a stream that
-    ends early, are an error (``zlib.error``)."""
+    tells which (as aiohttp reads it). A gzip body may hold several members (RFC 1952 §2.2).
+    Other bytes after the end of the stream, or a stream that ends early, are an error
+    (``zlib.error``); an empty body is empty."""
 
     __slots__ = ("_d", "gzip", "limit", "size")
 
     def __init__(self, encoding: bytes, limit: int) -> None:
         self.gzip = encoding in (b"gzip", b"x-gzip")
-        self._d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if self.gzip else None
+        self._d: Any = None  # (made on the first byte)
         self.limit, self.size = limit, 0
 
     def feed(self, data: bytes) -> bytes | None:
         """The decoded bytes (``None``: the limit is passed). Raises ``zlib.error``."""
-        if not data:
-            return b""
-        if self._d is None:  # deflate's first byte: a zlib header (CM = 8), else raw
-            self._d = zlib.decompressobj(zlib.MAX_WBITS if data[0] & 0x0F == 8
-                                         else -zlib.MAX_WBITS)
-        elif self._d.eof:
-            raise zlib.error("data after the end of the compressed stream")
-        out = self._d.decompress(data, self.limit - self.size + 1)
-        if self._d.unused_data:
-            raise zlib.error("data after the end of the compressed stream")
-        self.size += len(out)
-        return None if self.size > self.limit or self._d.unconsumed_tail else out
+        out: list[bytes] = []
+        while data:
+            if self._d is None:  # deflate's first byte: a zlib header (CM = 8), else raw
+                self._d = zlib.decompressobj(
+                    16 + zlib.MAX_WBITS if self.gzip
+                    else zlib.MAX_WBITS if data[0] & 0x0F == 8 else -zlib.MAX_WBITS)
+            elif self._d.eof:
+                if not (self.gzip and data[0] == 0x1F):  # (0x1f: another member's magic)
+                    raise zlib.error("data after the end of the compressed stream")
+                self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            piece = self._d.decompress(data, self.limit - self.size + 1)
+            self.size += len(piece)
+            if self.size > self.limit or self._d.unconsumed_tail:
+                return None
+            out.append(piece)
+            data = self._d.unused_data
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def flush(self) -> bytes | None:
-        if self._d is None:  # (no body at all)
+        if self._d is None:  # (an empty body)
             return b""
         out = self._d.flush()
         if not self._d.eof:
@@ -208,6 +214,7 @@ class _Connection(asyncio.Protocol):
         self._chunked = False
         self._headers_done = False
         self._head_bytes = 0
+        self._fed_body = False
 
     # -- asyncio's callbacks -------------------------------------------------------------------
 
@@ -219,6 +226,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self._last = self.loop.time()
+        self._fed_body, head_before = False, not self._headers_done
         try:
             self.parser.feed_data(data)
         except Exception as e:  # httptools' errors, or a callback's (as its context)
@@ -226,11 +234,21 @@ class _Connection(asyncio.Protocol):
             self._fail(cause if isinstance(cause, ProtocolError) else
                        ProtocolError(f"invalid HTTP answer: {e.__class__.__name__}: {e}"))
             return
-        if not self._headers_done and self.waiter is not None:
-            self._head_bytes += len(data)  # (httptools would buffer a header of any length)
+        if self.waiter is None:
+            return
+        # httptools buffers a header (or a trailer) of any length before it calls on_header:
+        # reads are counted instead, the head's, then after it those with no body byte in them
+        if not self._headers_done:
+            self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD:
                 self._fail(ProtocolError(f"a head over {MAX_HEAD} bytes (status line and "
                                          "headers): not read"))
+        elif self._fed_body or head_before:  # (a read that ended the head: counted there)
+            self._head_bytes = 0
+        else:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD:
+                self._fail(ProtocolError(f"trailers over {MAX_HEAD} bytes: not read"))
 
     def eof_received(self) -> bool:
         self.closed = True  # (before connection_lost, a turn later: not to be taken again)
@@ -286,11 +304,12 @@ class _Connection(asyncio.Protocol):
             self._length = 0
         if self._length is not None and self._length > self._limit:
             self._too_large()
-        elif self._encoding in (b"gzip", b"x-gzip", b"deflate"):
+        elif self._encoding in (b"gzip", b"x-gzip", b"deflate") and self._length != 0:
             self._inflate = _Inflate(self._encoding, self._limit)
         # (another coding was not asked for: its body is kept as it came, as aiohttp does)
 
     def on_body(self, body: bytes) -> None:
+        self._fed_body = True
         if self.waiter is None:
             return
         if self._inflate is not None:
@@ -516,6 +535,8 @@ class Client:
                     raise
         except TimeoutError:  # (the budget's, or the kernel's connect timeout)
             raise ConnectTimeout(max(budget, 0.0)) from None
+        except UnicodeError as e:  # a name IDNA refuses (an empty or over-long label)
+            raise ConnectError(host, port, socket.gaierror(socket.EAI_NONAME, str(e))) from None
         except (OSError, ssl.SSLError) as e:  # (gaierror, refused, a failed handshake ...)
             raise ConnectError(host, port, e) from None
         return conn

@@ -535,3 +535,69 @@ async def test_happy_eyeballs_past_an_address_that_never_answers(
         for c in fillers:
             c.close()
         hole.close()
+
+
+# -- what a second review found (each test fails on 04c5904) -----------------------------------
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 204 No Content\r\nContent-Encoding: gzip\r\n\r\n",
+                                  b"HTTP/1.1 404 Not Found\r\nContent-Encoding: gzip\r\n"
+                                  b"Content-Length: 0\r\n\r\n",
+                                  b"HTTP/1.1 429 Slow\r\nContent-Encoding: gzip\r\n"
+                                  b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"])
+async def test_an_empty_body_said_to_be_gzip_is_empty(raw, client, head: bytes) -> None:
+    async def answer(h, reader, writer) -> bool:
+        writer.write(head)
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/x")
+    assert a.body == b"" and a.status == int(head.split()[1])
+
+
+async def test_several_gzip_members_are_one_body(raw, client) -> None:
+    packed = gzip.compress(b'{"a": ') + gzip.compress(b"1}")
+
+    async def answer(head, reader, writer) -> bool:
+        writer.write(ok(packed, b"Content-Encoding: gzip\r\n"))
+        return True
+
+    srv = await raw(answer)
+    assert (await get(client, f"{srv.url}/x")).body == b'{"a": 1}'
+
+
+async def test_one_endless_trailer_is_cut_off(raw, client) -> None:
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
+        for _ in range(1000):  # one value without end: httptools would buffer all of it
+            writer.write(b"t" * 8192)
+            await writer.drain()
+        await asyncio.sleep(5)
+        return False
+
+    srv = await raw(answer)
+    with pytest.raises(http1.ProtocolError, match="trailers over"):
+        await get(client, f"{srv.url}/x", total=10)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize(("location", "follow"), [(b"/caf\xe9\xff", "none"),
+                                                  (b"http://a..b/x", "any")])
+async def test_a_location_no_store_could_hold_or_no_host_has_is_a_skip(
+        raw, lean: bool, location: bytes, follow: str) -> None:
+    """Bytes that are not UTF-8 (they came back as surrogates, which the state cannot store:
+    the writing process ended and halted the job), or a host IDNA refuses (it crashed the
+    worker): a redirect not followed, in words that can be stored."""
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 302 Found\r\nLocation: " + location + b"\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, Config(url=f"{srv.url}/{{id}}", follow_redirects=follow),
+                          lean=lean)
+        try:
+            a = await fetcher.attempt("x")
+        finally:
+            fetcher.close()
+    assert a.outcome is Outcome.SKIP and a.status == 302, a
+    a.error.encode("utf-8")  # (storable: no surrogate left)
