@@ -304,7 +304,7 @@ class Fetcher:
         self.session = session
         # whether the session's connector says when a request has its connection (then what
         # may have been sent is known; another session's ambiguous failure counts as sent)
-        self._marks = isinstance(session.connector, Connector) or lean
+        self._marks = isinstance(session.connector, Connector)
         self.observe = observe
         self.config = config
         self.request_for = request_for  # a hook; None: the config's template (no Request made)

@@ -275,11 +275,8 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if len(name) + len(value) > MAX_FIELD:
             raise ProtocolError(f"a header over {MAX_FIELD} bytes: not read")
-        if self._headers_done:  # a trailer (after a chunked body): counted, not kept
-            self._head_bytes += len(name) + len(value)
-            if self._head_bytes > MAX_HEAD:
-                raise ProtocolError(f"trailers over {MAX_HEAD} bytes: not read")
-            return
+        if self._headers_done:  # a trailer (after a chunked body): not kept; its bytes are
+            return              # counted with the reads (``data_received``)
         self._raw.append((name, value))
         low = name.lower()
         if low == b"content-length":

@@ -12,7 +12,7 @@ import contextlib
 import gzip
 import socket
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -90,17 +90,38 @@ def ok(body: bytes = b'{"a": 1}', extra: bytes = b"") -> bytes:
             + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body)
 
 
+def answering(data: bytes, *, keep: bool) -> Answer:
+    """An answer that writes ``data`` to every request; ``keep``: the connection stays open."""
+    async def answer(head: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        writer.write(data)
+        return keep
+
+    return answer
+
+
+def flooding(start: bytes, pieces: Iterable[bytes]) -> Answer:
+    """An answer that writes ``start``, then each piece as the client reads it, then stays
+    silent: a head or a trailer without end."""
+    async def answer(head: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        writer.write(start)
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+        await asyncio.sleep(5)
+        return False
+
+    return answer
+
+
 async def get(client: http1.Client, url: str, *, limit: int = 1000,
               **kw: float) -> http1.Answer:
     return await client.request("GET", http1.URL(url), {}, limit=limit, **kw)
 
 
 async def test_one_connection_carries_many_requests(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     for i in range(5):
         a = await get(client, f"{srv.url}/items/{i}")
         assert (a.status, a.body) == (200, b'{"a": 1}')
@@ -109,11 +130,7 @@ async def test_one_connection_carries_many_requests(raw, client) -> None:
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_used_again(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return False  # closes after every answer, without saying so
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=False))  # closes after every answer, without saying so
     for i in range(3):
         await get(client, f"{srv.url}/{i}")
         # (the close reaches the client before the next request: it must see it)
@@ -123,11 +140,8 @@ async def test_a_connection_the_server_closed_while_idle_is_not_used_again(raw, 
 
 
 async def test_connection_close_is_honoured(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok(extra=b"Connection: close\r\n"))
-        return True  # the server would go on: the client must not
-
-    srv = await raw(answer)
+    # (the server would go on: the client must not)
+    srv = await raw(answering(ok(extra=b"Connection: close\r\n"), keep=True))
     await get(client, f"{srv.url}/1")
     await get(client, f"{srv.url}/2")
     assert srv.connections == 2
@@ -169,11 +183,7 @@ async def test_gzip_and_both_deflates_are_decoded(raw, client, coding: str) -> N
         packed = c.compress(body) + c.flush()
     name = coding.removeprefix("raw-").encode()
 
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok(packed, b"Content-Encoding: " + name + b"\r\n"))
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(packed, b"Content-Encoding: " + name + b"\r\n"), keep=True))
     a = await get(client, f"{srv.url}/x", limit=10_000)
     assert a.body == body
     assert b"accept-encoding: gzip, deflate" in srv.requests[0].lower()
@@ -224,11 +234,7 @@ async def test_a_close_before_the_whole_answer_is_disconnected(raw, client, when
 
 
 async def test_a_malformed_answer_is_a_protocol_error(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(b"HTTP/1.1 two hundred\r\n\r\n")
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(b"HTTP/1.1 two hundred\r\n\r\n", keep=True))
     with pytest.raises(http1.ProtocolError):
         await get(client, f"{srv.url}/x")
 
@@ -253,11 +259,7 @@ async def test_silence_and_slowness_time_out(raw, client) -> None:
 
 
 async def test_what_is_sent(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     await client.request("POST", http1.URL(f"http://u:p%40ss@127.0.0.1:{srv.port}/a?b=1"),
                          {"X-Key": "k"}, json={"id": "é"}, limit=100)
     head, _, body = srv.requests[0].partition(b"\r\n\r\n")
@@ -273,11 +275,7 @@ async def test_what_is_sent(raw, client) -> None:
                                      {"X A": "v"}, {"X-A": "v\x00"}])
 async def test_a_header_that_would_split_the_request_is_refused(raw, client,
                                                                 headers: dict[str, str]) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     with pytest.raises(ValueError):
         await client.request("GET", http1.URL(f"{srv.url}/x"), headers, limit=100)
     assert srv.requests == []
@@ -331,15 +329,9 @@ def test_the_environment_chooses_the_client(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 async def test_a_head_that_never_ends_is_cut_off(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\n")
-        for i in range(2000):  # small headers, each under the field limit, without end
-            writer.write(b"X-%d: %s\r\n" % (i, b"v" * 60))
-            await writer.drain()
-        await asyncio.sleep(5)
-        return False
-
-    srv = await raw(answer)
+    # small headers, each under the field limit, without end
+    srv = await raw(flooding(b"HTTP/1.1 200 OK\r\n",
+                             (b"X-%d: %s\r\n" % (i, b"v" * 60) for i in range(2000))))
     with pytest.raises(http1.ProtocolError, match="a head over"):
         await get(client, f"{srv.url}/x", total=5)
 
@@ -403,22 +395,14 @@ async def test_trailers_are_not_headers_and_cannot_flood(raw, client) -> None:
 
 
 async def test_text_beyond_ascii_goes_as_utf8_both_ways(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok(extra="Location: /café\r\n".encode()))
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(extra="Location: /café\r\n".encode()), keep=True))
     a = await client.request("GET", http1.URL(f"{srv.url}/x"), {"X-Note": "price €"}, limit=100)
     assert "X-Note: price €".encode() in srv.requests[0]
     assert a.headers["Location"] == "/café"
 
 
 async def test_headers_an_application_changes_are_sent_as_they_are_now(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     headers = {"Authorization": "Bearer one"}
     for token in ("one", "two"):
         headers["Authorization"] = f"Bearer {token}"
@@ -453,22 +437,15 @@ async def test_a_compressed_body_is_whole_or_an_error(raw, client, case: str) ->
 
 
 async def test_a_transfer_coding_other_than_chunked_ends_with_the_close(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n{\"a\": 5}")
-        return False
-
-    srv = await raw(answer)
+    srv = await raw(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\n\r\n"
+                              b'{"a": 5}', keep=False))
     assert (await get(client, f"{srv.url}/x")).body == b'{"a": 5}'
 
 
 async def test_a_connection_closing_when_taken_is_not_used(raw, client) -> None:
     """The server's FIN arrived (eof_received), its connection_lost not yet: a request on it
     would go nowhere and count as in doubt."""
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return False
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=False))
     await get(client, f"{srv.url}/1")
     idle = next(iter(client._idle.values()), [])
     for _ in range(200):
@@ -480,11 +457,7 @@ async def test_a_connection_closing_when_taken_is_not_used(raw, client) -> None:
 
 
 async def test_a_hook_s_json_and_method_go_as_aiohttp_sends_them(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     await client.request("post", http1.URL(f"{srv.url}/x"), {}, json={1: "a", "n": 2**70},
                          limit=100)
     head, _, body = srv.requests[0].partition(b"\r\n\r\n")
@@ -502,11 +475,7 @@ async def test_happy_eyeballs_past_an_address_that_never_answers(
         raw, client, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host whose first address drops SYNs (::1 with a full accept queue) and whose second
     serves: the second is tried after 0.25 s, not after the whole connect timeout."""
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok())
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(), keep=True))
     hole = socket.socket(socket.AF_INET6)
     try:
         hole.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -545,11 +514,7 @@ async def test_happy_eyeballs_past_an_address_that_never_answers(
                                   b"HTTP/1.1 429 Slow\r\nContent-Encoding: gzip\r\n"
                                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"])
 async def test_an_empty_body_said_to_be_gzip_is_empty(raw, client, head: bytes) -> None:
-    async def answer(h, reader, writer) -> bool:
-        writer.write(head)
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(head, keep=True))
     a = await get(client, f"{srv.url}/x")
     assert a.body == b"" and a.status == int(head.split()[1])
 
@@ -557,24 +522,14 @@ async def test_an_empty_body_said_to_be_gzip_is_empty(raw, client, head: bytes) 
 async def test_several_gzip_members_are_one_body(raw, client) -> None:
     packed = gzip.compress(b'{"a": ') + gzip.compress(b"1}")
 
-    async def answer(head, reader, writer) -> bool:
-        writer.write(ok(packed, b"Content-Encoding: gzip\r\n"))
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(ok(packed, b"Content-Encoding: gzip\r\n"), keep=True))
     assert (await get(client, f"{srv.url}/x")).body == b'{"a": 1}'
 
 
 async def test_one_endless_trailer_is_cut_off(raw, client) -> None:
-    async def answer(head, reader, writer) -> bool:
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nX-T: ")
-        for _ in range(1000):  # one value without end: httptools would buffer all of it
-            writer.write(b"t" * 8192)
-            await writer.drain()
-        await asyncio.sleep(5)
-        return False
-
-    srv = await raw(answer)
+    # one value without end: httptools would buffer all of it
+    srv = await raw(flooding(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
+                             b"0\r\nX-T: ", (b"t" * 8192 for _ in range(1000))))
     with pytest.raises(http1.ProtocolError, match="trailers over"):
         await get(client, f"{srv.url}/x", total=10)
 
@@ -587,11 +542,8 @@ async def test_a_location_no_store_could_hold_or_no_host_has_is_a_skip(
     """Bytes that are not UTF-8 (they came back as surrogates, which the state cannot store:
     the writing process ended and halted the job), or a host IDNA refuses (it crashed the
     worker): a redirect not followed, in words that can be stored."""
-    async def answer(head, reader, writer) -> bool:
-        writer.write(b"HTTP/1.1 302 Found\r\nLocation: " + location + b"\r\nContent-Length: 0\r\n\r\n")
-        return True
-
-    srv = await raw(answer)
+    srv = await raw(answering(b"HTTP/1.1 302 Found\r\nLocation: " + location
+                              + b"\r\nContent-Length: 0\r\n\r\n", keep=True))
     async with aiohttp.ClientSession() as session:
         fetcher = Fetcher(session, Config(url=f"{srv.url}/{{id}}", follow_redirects=follow),
                           lean=lean)
