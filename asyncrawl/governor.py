@@ -11,6 +11,13 @@
 
 With several API keys, 3 and 4 (and a 429's pause) are per key: see ``Governor``.
 
+A request takes its ticket before its ``sent`` intent is durable and leaves after (the worker),
+so the time between varies: a stall of the state's writer holds back the requests whose tickets
+came meanwhile, and they would all leave together at its end, over the rate. So the bucket is
+kept twice: a ticket is taken from the first, and the request passes through the second, with
+the same capacity and rate, as it leaves (``may_leave`` / ``leave``): what leaves keeps to the
+rate whatever the wait between (bench/README.md, stop 42).
+
 and separately ``Budget`` (billable calls this run). Retries are ordinary traffic under the same
 rate: a retry waits for its own backoff and for nothing else while the server is healthy; what
 protects a sick server are the signs that it is sick (429s slow the rate, a run of failures
@@ -492,13 +499,14 @@ class Lane:
     quota per key limits each key by itself. ``retired``: the key was refused (401/402)."""
 
     __slots__ = ("controller", "index", "limiter", "next_slot", "paused_until", "rate",
-                 "retired", "turn")
+                 "retired", "sends", "turn")
 
     def __init__(self, index: int, rate: float, burst: int, *, adaptive: bool,
                  now: float) -> None:
         self.index = index
         self.rate = rate
         self.limiter = _bucket(burst, rate)
+        self.sends = _bucket(burst, rate)  # the same bucket, as requests leave
         self.controller = RateController(max_rate=rate, now=now) if adaptive else None
         self.paused_until = 0.0
         self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``
@@ -513,11 +521,13 @@ class Lane:
     def effective_rate(self) -> float:
         return self.controller.rate if self.controller else self.rate
 
-    def resize(self, rate: float, burst: int, spent: float) -> None:
-        """A new share of the job's rate and burst; ``spent``: how much of the new bucket is
-        used up already (what the old one was: a re-share is no new burst)."""
+    def resize(self, rate: float, burst: int, spent: float, sends_spent: float) -> None:
+        """A new share of the job's rate and burst; ``spent`` and ``sends_spent``: how much of
+        the new buckets is used up already (what the old ones were: a re-share is no new
+        burst)."""
         self.rate = rate
         self.limiter = _bucket(burst, rate, spent)
+        self.sends = _bucket(burst, rate, sends_spent)
         c = self.controller
         if c is not None:
             c.reshare(rate)
@@ -552,6 +562,7 @@ class Governor:
         # several keys: the job's bucket too, the ceiling of all of them together (each
         # lane's share of the burst is at least 1, which could add up to more than it)
         self.limiter = None if self._single else _bucket(burst, rate)
+        self.sends = None if self._single else _bucket(burst, rate)
         self.breaker = breaker
         # Are there IDs not yet sent (the breaker's to protect)? Set by each pass; while it says
         # no, an open breaker stands down: the IDs left are retries with their own backoff.
@@ -559,6 +570,9 @@ class Governor:
         self.paused_until = 0.0  # the whole job's pause
         self.runs = 1  # processes sharing the job's rate (``share``)
         self._sent = False  # has a request been let through yet?
+        self._leaving = 0  # requests waiting in ``leave``: no new ticket meanwhile
+        self._clear = asyncio.Event()  # set while none waits there
+        self._clear.set()
 
     def __repr__(self) -> str:
         return (f"<Governor rate={self.effective_rate:.1f}/{self.rate:g}/s burst={self.burst} "
@@ -603,9 +617,10 @@ class Governor:
             return _spent(bucket) if self._sent else 1.0
 
         for lane, b in zip(self.lanes, _split(burst, n), strict=True):
-            lane.resize(self.rate / runs / n, b, spent(lane.limiter))
-        if self.limiter is not None:
+            lane.resize(self.rate / runs / n, b, spent(lane.limiter), spent(lane.sends))
+        if self.limiter is not None and self.sends is not None:
             self.limiter = _bucket(burst, self.rate / runs, spent(self.limiter))
+            self.sends = _bucket(burst, self.rate / runs, spent(self.sends))
 
     def rejoin(self) -> None:
         """This process sends again after it was idle (it took no share of a shared job's
@@ -663,7 +678,7 @@ class Governor:
         waiting for one: a crawl whose rate does not bind); else ``None``, and ``acquire``
         waits. (Two coroutines a request fewer, where the governor was ~20 % of what
         asyncrawl's loop does for a request at the stack's limit: ``bench/overhead.py``.)"""
-        if not self._single or self.limiter is not None or self.breaker_open:
+        if not self._single or self.limiter is not None or self.breaker_open or self._leaving:
             return None
         now = self._loop.time()
         lane = self.lanes[0]
@@ -682,6 +697,9 @@ class Governor:
         loop = self._loop
         breaker = self.breaker
         while True:
+            if self._leaving:  # (requests that have their tickets wait to leave: see ``leave``)
+                await self._clear.wait()
+                continue
             now = loop.time()
             if self.paused_until > now:
                 await asyncio.sleep(self.paused_until - now)
@@ -740,6 +758,39 @@ class Governor:
         self._sent = True
         return Ticket(now, probe, lane.index)
 
+    def may_leave(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s request may leave now (its intent is durable): a token of the
+        second bucket (``leave``'s at once, when there is one and nobody waits for one)."""
+        lane, job = self.lanes[ticket.lane].sends, self.sends
+        if job is None:
+            return _take(lane)
+        if not (_free(lane) and _free(job)):
+            return False
+        return _take(lane) and _take(job)
+
+    async def leave(self, ticket: Ticket) -> None:
+        """Wait until ``ticket``'s request may leave: as many leave in any stretch of time as
+        tickets may be taken in it, however long each waited for its intent. No ticket is
+        handed out while a request waits here, so that tickets do not run ahead of what
+        leaves (after a stall, those taken meanwhile would otherwise keep a queue here, of
+        requests whose intents are durable, for as long as the rate binds)."""
+        lane = self.lanes[ticket.lane]
+        self._leaving += 1
+        self._clear.clear()
+        try:
+            while True:
+                bucket, job = lane.sends, self.sends
+                await bucket.acquire()
+                if job is not None:
+                    await job.acquire()
+                if bucket is lane.sends and job is self.sends:
+                    return
+                # (the rate was shared out meanwhile: wait in the new buckets)
+        finally:
+            self._leaving -= 1
+            if not self._leaving:
+                self._clear.set()
+
     def unused(self, ticket: Ticket) -> None:
         """``ticket``'s request did not leave (its key was retired meanwhile): if it was the
         breaker's probe, the next request may probe."""
@@ -787,10 +838,15 @@ def _take(bucket: AsyncLimiter) -> bool:
     """A token from ``bucket`` now, if it has one and no task waits for one (what its
     ``acquire`` does when it need not wait: the same level, through the same private field
     as ``_bucket``)."""
-    if bucket._waiters or not bucket.has_capacity():
+    if not _free(bucket):
         return False
     bucket._level += 1
     return True
+
+
+def _free(bucket: AsyncLimiter) -> bool:
+    """Whether ``bucket`` has a token now for a task that would not wait for it."""
+    return not bucket._waiters and bucket.has_capacity()
 
 
 def _spent(bucket: AsyncLimiter) -> float:

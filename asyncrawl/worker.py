@@ -14,10 +14,12 @@ What an attempt leads to is a value, ``decide(...) -> Verdict``, which the loop 
 
 To SETTLE is to queue the ID's outcome record for the writer and note it in the pass's
 ``Ledger``; it counts only once the writer reports it durable. Before each request its ``sent``
-intent is committed; a shared job's store may refuse it (another process holds the ID now:
-this one stalled past its lease), and then the ID is left to that process, not sent. An
-intent committed for a request that then does not leave (the job stopped, or the key was
-refused, meanwhile) is taken back (``unsent``): the state counts the calls that left.
+intent is committed (a shared job's store may refuse it: another process holds the ID now,
+this one stalled past its lease, and then the ID is left to that process, not sent), then
+the request passes the governor's bucket a second time as it leaves (``Governor.leave``: the
+wait for the intent does not bunch requests up). An intent committed for a request that
+then does not leave (the job stopped, or the key was refused, meanwhile) is taken back
+(``unsent``): the state counts the calls that left.
 
 The worker talks only to what is below it: the queue, the governor, the fetcher, the writer,
 and the two plain objects its owner reads (``Ledger``, ``Stop``).
@@ -330,6 +332,8 @@ class Worker:
                 return
             try:
                 commit = await self.sink.commit(sent)
+                if commit is Commit.DURABLE and not gov.may_leave(ticket):
+                    await gov.leave(ticket)  # (the wait for the intent bunched requests up)
             except asyncio.CancelledError:  # (the pass ends: its request does not leave)
                 self._withdraw(item, sent)
                 raise

@@ -456,3 +456,33 @@ async def test_the_ticket_at_once_keeps_to_the_rate_and_to_whatever_holds_reques
     ticket = fresh.ready()
     assert ticket is not None and not ticket.probe and ticket.lane == 0
     assert fresh.controller is not None and fresh.controller._sent == 1  # counted as sent
+
+
+async def test_requests_held_back_after_their_tickets_leave_within_the_rate() -> None:
+    """A request takes its ticket, then waits for its durable intent before it leaves. After a
+    stall of the state's writer, the requests whose tickets came meanwhile pass the bucket a
+    second time (``may_leave`` / ``leave``) and leave within the rate, not all at once (they
+    did: 104 in a second at 50/s with a burst of 50, bench/governor.py accuracy); and no
+    ticket is handed out while some wait to leave (else they would keep a queue there)."""
+    rate, burst = 100.0, 5
+    gov = Governor(rate=rate, burst=burst, adaptive=False)
+    loop = asyncio.get_running_loop()
+    held = [gov.ready() or await gov.acquire() for _ in range(20)]  # the writer stalls: ~0.15 s
+    t0 = loop.time()
+    left: list[float] = []
+
+    async def go(ticket: object) -> None:
+        if not gov.may_leave(ticket):  # type: ignore[arg-type]
+            await gov.leave(ticket)  # type: ignore[arg-type]
+        left.append(loop.time())
+
+    leaving = [asyncio.create_task(go(t)) for t in held]
+    await asyncio.sleep(0)
+    assert len(left) == burst  # the second bucket's burst at once, the rest wait in it
+    assert gov.ready() is None  # no ticket while requests wait to leave
+    late = asyncio.create_task(gov.acquire())
+    await asyncio.wait_for(asyncio.gather(*leaving), 5)
+    for n, t in enumerate(sorted(left), 1):  # every moment: the bucket's bound
+        assert n <= burst + 1 + rate * (t - t0) * 1.05, (n, t - t0)
+    ticket = await asyncio.wait_for(late, 5)
+    assert ticket.sent_at >= max(left)  # (it waited for the last of them)

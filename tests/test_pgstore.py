@@ -237,8 +237,19 @@ def _config(tmp_path: Path, url: str, job: str, ids: Path | None, **sections: di
 
 
 def _wait_for(pred: Any, timeout: float, what: str) -> None:
+    """Poll ``pred`` until it holds (a table that is not there yet: the process watched has
+    not created it yet, on a database where no test has run before)."""
+    import psycopg
+
     deadline = time.monotonic() + timeout
-    while not pred():
+
+    def holds() -> bool:
+        try:
+            return bool(pred())
+        except psycopg.errors.UndefinedTable:
+            return False
+
+    while not holds():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
 

@@ -10,6 +10,9 @@ for real, on a tmpfs filled up while the run goes. Each time the job halts with 
 handed on as committed is there, a paid answer whose record was lost is reported in doubt, and
 a rerun after the fault is gone completes without fetching anything that was committed.
 
+A writer that stalls (a slow disk, a paused process: the writing process stopped with
+SIGSTOP) must not make the requests held back behind it leave together, over the rate.
+
 After a failed *fsync*, whether the last transaction reached the disk is unknown (it may have:
 its WAL frames were written). The run counts it as not committed; a rerun finds it either
 there (its IDs are not fetched again) or not (its IDs were in doubt, and are fetched again).
@@ -17,6 +20,7 @@ there (its IDs are not fetched again) or not (its IDs were in doubt, and are fet
 
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import os
@@ -24,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +36,10 @@ from typing import Any
 import pytest
 
 from asyncrawl.sqlstore import DB
+from asyncrawl.testing import read_log
 
 from .conftest import KEY, ROOT, cli, write_config, write_ids
-from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, starts, status_json, wait_until
+from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, popen_cli, starts, status_json, wait_until
 
 ERRORS = [pytest.param(errno.ENOSPC, id="ENOSPC"), pytest.param(errno.EIO, id="EIO")]
 SQLITE_SAYS = {("write", errno.ENOSPC): "database or disk is full",
@@ -329,3 +335,41 @@ def test_a_real_full_disk_exits_5_and_a_rerun_after_freeing_space_completes(
     assert sorted(o["id"] for o in ok) == ids
     from asyncrawl.testing import payload_for
     assert all(o["data"] == payload_for(o["id"], pad=8192) for o in ok)
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux's ``/proc``, every thread's)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
+def test_requests_held_back_by_a_stalled_writer_leave_within_the_rate(
+        tmp_path: Path, mock_process: Any) -> None:
+    """The state's writing process stalls for 0.6 s (SIGSTOP) while a crawl is bound by its
+    rate: the requests whose tickets came meanwhile wait for their ``sent`` intents, then
+    leave within the rate (rate x 1.05 + burst in any second), not all together at the
+    stall's end (they did: 70 in a second at 50/s with a burst of 5)."""
+    rate, burst = 50, 5
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"s{i}" for i in range(250)])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids,
+                       limits={"concurrency": 16, "rate": rate, "burst": burst})
+    run = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: mock.log_path.exists() and len(read_log(mock.log_path)) >= 120, run)
+        stalled = children(run.pid)  # (the state's writing process: the run's only child)
+        assert stalled
+        for pid in stalled:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.6)  # (the stall's length, not a wait for something)
+        for pid in stalled:
+            os.kill(pid, signal.SIGCONT)
+        assert run.wait(timeout=60) == 0, (tmp_path / "run.err").read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    t = sorted(e.t for e in mock.settled_log() if e.event == "start")
+    assert len(t) == 250
+    worst = max(bisect.bisect_left(t, x + 1.0) - i for i, x in enumerate(t))
+    assert worst <= rate * 1.05 + burst, worst
