@@ -770,10 +770,12 @@ class Governor:
 
     async def leave(self, ticket: Ticket) -> None:
         """Wait until ``ticket``'s request may leave: as many leave in any stretch of time as
-        tickets may be taken in it, however long each waited for its intent. No ticket is
-        handed out while a request waits here, so that tickets do not run ahead of what
-        leaves (after a stall, those taken meanwhile would otherwise keep a queue here, of
-        requests whose intents are durable, for as long as the rate binds)."""
+        tickets may be taken in it, however long each waited for its intent. Tickets do not
+        run ahead of what leaves: none is handed out while a request waits here, and when the
+        last has left, the first bucket is made as full as the second (else the tickets
+        taken during a stall, or at once after the wait here, would keep a queue of requests
+        with durable intents here for as long as the rate binds: requests that an open
+        breaker or a pause no longer holds back)."""
         lane = self.lanes[ticket.lane]
         self._leaving += 1
         self._clear.clear()
@@ -789,6 +791,10 @@ class Governor:
         finally:
             self._leaving -= 1
             if not self._leaving:
+                for each in self.lanes:
+                    _catch_up(each.limiter, each.sends)
+                if self.limiter is not None and self.sends is not None:
+                    _catch_up(self.limiter, self.sends)
                 self._clear.set()
 
     def unused(self, ticket: Ticket) -> None:
@@ -847,6 +853,13 @@ def _take(bucket: AsyncLimiter) -> bool:
 def _free(bucket: AsyncLimiter) -> bool:
     """Whether ``bucket`` has a token now for a task that would not wait for it."""
     return not bucket._waiters and bucket.has_capacity()
+
+
+def _catch_up(tickets: AsyncLimiter, sends: AsyncLimiter) -> None:
+    """Make ``tickets`` at least as used up as ``sends`` (both brought up to now)."""
+    tickets.has_capacity(0)
+    sends.has_capacity(0)
+    tickets._level = max(tickets._level, sends._level)
 
 
 def _spent(bucket: AsyncLimiter) -> float:
