@@ -445,6 +445,8 @@ class Client:
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
         self._addresses: dict[tuple[str, int], tuple[float, list[AddrInfo]]] = {}
+        # lookups under way, each shared by every connect that needs it meanwhile
+        self._lookups: dict[tuple[str, int], asyncio.Task[list[AddrInfo]]] = {}
         self._fixed: dict[int, tuple[Mapping[str, str], str]] = {}
         self._closed = False
 
@@ -488,8 +490,12 @@ class Client:
         return answer
 
     def close(self) -> None:
-        """Close every idle connection; requests in flight close theirs as they end."""
+        """Close every idle connection, and stop the lookups under way; requests in flight
+        close theirs as they end."""
         self._closed = True
+        for lookup in self._lookups.values():
+            lookup.cancel()
+        self._lookups.clear()
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
@@ -549,13 +555,23 @@ class Client:
                 return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "",
                          (host, port, 0, 0))]
             return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
-        now = time.monotonic()
-        cached = self._addresses.get((host, port))
-        if cached is not None and cached[0] > now:
+        key = (host, port)
+        cached = self._addresses.get(key)
+        if cached is not None and cached[0] > time.monotonic():
             return cached[1]
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        self._addresses[(host, port)] = (now + DNS_TTL, infos)
-        return infos
+        lookup = self._lookups.get(key)
+        if lookup is None:  # one lookup for all the connects that wait for it, as aiohttp's
+            lookup = self._lookups[key] = loop.create_task(  # (owned: ``close`` cancels it)
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            lookup.add_done_callback(lambda done: self._looked_up(key, done))
+        return await asyncio.shield(lookup)  # (a connect that gives up leaves it to the rest)
+
+    def _looked_up(self, key: tuple[str, int], lookup: asyncio.Task[list[AddrInfo]]) -> None:
+        """A lookup ended: its addresses are kept ``DNS_TTL`` seconds (a failure is not)."""
+        if self._lookups.get(key) is lookup:
+            del self._lookups[key]
+        if not lookup.cancelled() and lookup.exception() is None:
+            self._addresses[key] = (time.monotonic() + DNS_TTL, lookup.result())
 
     def _head(self, method: str, url: URL, headers: Mapping[str, str], data: bytes | None,
               json: Any, fixed: bool) -> bytes:

@@ -553,3 +553,40 @@ async def test_a_location_no_store_could_hold_or_no_host_has_is_a_skip(
             fetcher.close()
     assert a.outcome is Outcome.SKIP and a.status == 302, a
     a.error.encode("utf-8")  # (storable: no surrogate left)
+
+
+async def test_connects_at_once_to_one_host_share_its_lookup(
+        raw, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crawl's first requests all connect at once: they wait for one lookup of the host
+    (each made its own before: 21 lookups, each a thread of the loop's executor), and a
+    connect that gives up meanwhile leaves it to the others; the addresses are then kept."""
+    srv = await raw(answering(ok(), keep=True))
+    loop = asyncio.get_running_loop()
+    lookups = []
+    started, release = asyncio.Event(), asyncio.Event()
+    real = loop.getaddrinfo
+
+    async def counted(*args, **kw):  # (a resolver's round trip, which the connects meet in)
+        lookups.append(args[:2])
+        started.set()
+        await release.wait()
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(loop, "getaddrinfo", counted)
+    client = http1.Client(limit=20)
+    try:
+        quitter = asyncio.create_task(get(client, f"http://localhost:{srv.port}/q"))
+        answers = [asyncio.create_task(get(client, f"http://localhost:{srv.port}/{i}"))
+                   for i in range(20)]
+        await asyncio.wait_for(started.wait(), 10)  # (every request is at its lookup now)
+        quitter.cancel()  # the first gives up while the lookup is under way
+        release.set()
+        got = await asyncio.wait_for(asyncio.gather(*answers), 10)
+        assert [a.status for a in got] == [200] * 20
+        assert lookups == [("localhost", srv.port)]
+        await get(client, f"http://localhost:{srv.port}/again")
+        assert len(lookups) == 1  # kept
+        assert quitter.cancelled()
+    finally:
+        release.set()
+        client.close()
