@@ -16,7 +16,9 @@ so the time between varies: a stall of the state's writer holds back the request
 came meanwhile, and they would all leave together at its end, over the rate. So the bucket is
 kept twice: a ticket is taken from the first, and the request passes through the second, with
 the same capacity and rate, as it leaves (``may_leave`` / ``leave``): what leaves keeps to the
-rate whatever the wait between (bench/README.md, stop 42).
+rate whatever the wait between. And what holds requests back is asked again then (``holds``):
+a pause or an open breaker that came meanwhile holds back the requests that had their tickets
+(bench/README.md, stop 42).
 
 and separately ``Budget`` (billable calls this run). Retries are ordinary traffic under the same
 rate: a retry waits for its own backoff and for nothing else while the server is healthy; what
@@ -570,9 +572,6 @@ class Governor:
         self.paused_until = 0.0  # the whole job's pause
         self.runs = 1  # processes sharing the job's rate (``share``)
         self._sent = False  # has a request been let through yet?
-        self._leaving = 0  # requests waiting in ``leave``: no new ticket meanwhile
-        self._clear = asyncio.Event()  # set while none waits there
-        self._clear.set()
 
     def __repr__(self) -> str:
         return (f"<Governor rate={self.effective_rate:.1f}/{self.rate:g}/s burst={self.burst} "
@@ -678,7 +677,7 @@ class Governor:
         waiting for one: a crawl whose rate does not bind); else ``None``, and ``acquire``
         waits. (Two coroutines a request fewer, where the governor was ~20 % of what
         asyncrawl's loop does for a request at the stack's limit: ``bench/overhead.py``.)"""
-        if not self._single or self.limiter is not None or self.breaker_open or self._leaving:
+        if not self._single or self.limiter is not None or self.breaker_open:
             return None
         now = self._loop.time()
         lane = self.lanes[0]
@@ -697,9 +696,6 @@ class Governor:
         loop = self._loop
         breaker = self.breaker
         while True:
-            if self._leaving:  # (requests that have their tickets wait to leave: see ``leave``)
-                await self._clear.wait()
-                continue
             now = loop.time()
             if self.paused_until > now:
                 await asyncio.sleep(self.paused_until - now)
@@ -770,32 +766,24 @@ class Governor:
 
     async def leave(self, ticket: Ticket) -> None:
         """Wait until ``ticket``'s request may leave: as many leave in any stretch of time as
-        tickets may be taken in it, however long each waited for its intent. Tickets do not
-        run ahead of what leaves: none is handed out while a request waits here, and when the
-        last has left, the first bucket is made as full as the second (else the tickets
-        taken during a stall, or at once after the wait here, would keep a queue of requests
-        with durable intents here for as long as the rate binds: requests that an open
-        breaker or a pause no longer holds back)."""
+        tickets may be taken in it, however long each waited for its intent."""
         lane = self.lanes[ticket.lane]
-        self._leaving += 1
-        self._clear.clear()
-        try:
-            while True:
-                bucket, job = lane.sends, self.sends
-                await bucket.acquire()
-                if job is not None:
-                    await job.acquire()
-                if bucket is lane.sends and job is self.sends:
-                    return
-                # (the rate was shared out meanwhile: wait in the new buckets)
-        finally:
-            self._leaving -= 1
-            if not self._leaving:
-                for each in self.lanes:
-                    _catch_up(each.limiter, each.sends)
-                if self.limiter is not None and self.sends is not None:
-                    _catch_up(self.limiter, self.sends)
-                self._clear.set()
+        while True:
+            bucket, job = lane.sends, self.sends
+            await bucket.acquire()
+            if job is not None:
+                await job.acquire()
+            if bucket is lane.sends and job is self.sends:
+                return
+            # (the rate was shared out meanwhile: wait in the new buckets)
+
+    def holds(self, ticket: Ticket) -> bool:
+        """Whether something holds ``ticket``'s request back now, which came after its ticket
+        (while it waited for its intent and to leave): a pause, the breaker opened (unless
+        it is the probe), its key refused. It does not leave then: it goes again later."""
+        if self._held(self.lanes[ticket.lane], self._loop.time()):
+            return True
+        return self.breaker_open and not ticket.probe
 
     def unused(self, ticket: Ticket) -> None:
         """``ticket``'s request did not leave (its key was retired meanwhile): if it was the
@@ -853,13 +841,6 @@ def _take(bucket: AsyncLimiter) -> bool:
 def _free(bucket: AsyncLimiter) -> bool:
     """Whether ``bucket`` has a token now for a task that would not wait for it."""
     return not bucket._waiters and bucket.has_capacity()
-
-
-def _catch_up(tickets: AsyncLimiter, sends: AsyncLimiter) -> None:
-    """Make ``tickets`` at least as used up as ``sends`` (both brought up to now)."""
-    tickets.has_capacity(0)
-    sends.has_capacity(0)
-    tickets._level = max(tickets._level, sends._level)
 
 
 def _spent(bucket: AsyncLimiter) -> float:

@@ -18,8 +18,9 @@ intent is committed (a shared job's store may refuse it: another process holds t
 this one stalled past its lease, and then the ID is left to that process, not sent), then
 the request passes the governor's bucket a second time as it leaves (``Governor.leave``: the
 wait for the intent does not bunch requests up). An intent committed for a request that
-then does not leave (the job stopped, or the key was refused, meanwhile) is taken back
-(``unsent``): the state counts the calls that left.
+then does not leave (the job stopped meanwhile, or the governor holds it back now: a pause,
+the breaker, its key refused) is taken back (``unsent``): the state counts the calls that
+left.
 
 The worker talks only to what is below it: the queue, the governor, the fetcher, the writer,
 and the two plain objects its owner reads (``Ledger``, ``Stop``).
@@ -349,9 +350,10 @@ class Worker:
                 del held[id(item)]
                 self._leave(item)
                 continue
-            if gov.lanes[lane].retired:
-                # its key was refused while the intent was being committed: not sent with
-                # it; the ID goes again with another key
+            if gov.holds(ticket):
+                # while the intent was being committed, or it waited to leave, a pause began,
+                # the breaker opened or its key was refused: not sent now (nor with that key);
+                # the ID goes again, and waits for the governor as any other
                 self._withdraw(item, sent)
                 gov.unused(ticket)
                 del held[id(item)]
