@@ -500,8 +500,8 @@ class Lane:
     own token bucket, adaptive rate and ``Retry-After`` pause, because a provider that gives a
     quota per key limits each key by itself. ``retired``: the key was refused (401/402)."""
 
-    __slots__ = ("controller", "index", "limiter", "next_slot", "paused_until", "rate",
-                 "retired", "sends", "turn")
+    __slots__ = ("controller", "index", "leave_slot", "limiter", "next_slot", "paused_until",
+                 "rate", "retired", "sends", "turn")
 
     def __init__(self, index: int, rate: float, burst: int, *, adaptive: bool,
                  now: float) -> None:
@@ -512,6 +512,7 @@ class Lane:
         self.controller = RateController(max_rate=rate, now=now) if adaptive else None
         self.paused_until = 0.0
         self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``
+        self.leave_slot = 0.0  # the same, as requests leave
         self.turn = 0.0  # when it is this lane's turn again, at its effective rate
         self.retired = False
 
@@ -757,7 +758,11 @@ class Governor:
     def may_leave(self, ticket: Ticket) -> bool:
         """Whether ``ticket``'s request may leave now (its intent is durable): a token of the
         second bucket (``leave``'s at once, when there is one and nobody waits for one)."""
-        lane, job = self.lanes[ticket.lane].sends, self.sends
+        each = self.lanes[ticket.lane]
+        c = each.controller
+        if c is not None and c.limited:  # (paced at the adaptive rate: ``leave``)
+            return False
+        lane, job = each.sends, self.sends
         if job is None:
             return _take(lane)
         if not (_free(lane) and _free(job)):
@@ -766,8 +771,16 @@ class Governor:
 
     async def leave(self, ticket: Ticket) -> None:
         """Wait until ``ticket``'s request may leave: as many leave in any stretch of time as
-        tickets may be taken in it, however long each waited for its intent."""
+        tickets may be taken in it, however long each waited for its intent; paced at the
+        adaptive rate while it is below the configured one, as tickets are."""
         lane = self.lanes[ticket.lane]
+        c = lane.controller
+        if c is not None and c.limited:
+            now = self._loop.time()
+            slot = max(lane.leave_slot, now)
+            lane.leave_slot = slot + 1.0 / c.rate
+            if slot > now:
+                await asyncio.sleep(slot - now)
         while True:
             bucket, job = lane.sends, self.sends
             await bucket.acquire()

@@ -501,3 +501,28 @@ async def test_what_came_after_a_ticket_holds_its_request_back() -> None:
     breaker = open_breaker(probe_after=60)
     assert breaker.holds(Ticket(0.0, False))
     assert not breaker.holds(Ticket(0.0, True))  # the probe goes
+
+
+async def test_requests_held_back_leave_at_the_adaptive_rate_when_it_is_cut() -> None:
+    """The server's 429s cut the rate to 50/s (the bucket still allows 100 at once): the
+    requests whose tickets came during a stall leave paced at 50/s, as their tickets came,
+    not together (all 10 at once before: within the configured burst, over the quota the
+    server showed)."""
+    gov = Governor(rate=1000, burst=1000, adaptive=True)
+    c = gov.controller
+    assert c is not None
+    loop = asyncio.get_running_loop()
+    c.rate = 50.0
+    c._last_raise = loop.time() + 600  # (no climb back during the test)
+    held = [gov.ready() or await gov.acquire() for _ in range(10)]  # ~0.18 s: the writer stalls
+    t0 = loop.time()
+    left: list[float] = []
+
+    async def go(ticket: Ticket) -> None:
+        if not gov.may_leave(ticket):
+            await gov.leave(ticket)
+        left.append(loop.time())
+
+    await asyncio.wait_for(asyncio.gather(*(go(t) for t in held)), 5)
+    for n, t in enumerate(sorted(left), 1):
+        assert n <= 1 + 50 * (t - t0) * 1.05, (n, t - t0)
