@@ -720,10 +720,9 @@ class Governor:
             if c is not None:
                 c.tick(now)
                 if c.limited:
-                    slot = max(lane.next_slot, now)
-                    lane.next_slot = slot + 1.0 / c.rate
-                    if slot > now:
-                        await asyncio.sleep(slot - now)
+                    wait, lane.next_slot = _pace(lane.next_slot, now, c.rate)
+                    if wait > 0:
+                        await asyncio.sleep(wait)
             bucket, job_bucket = lane.limiter, self.limiter
             await bucket.acquire()
             if job_bucket is not None:
@@ -767,7 +766,9 @@ class Governor:
             return _take(lane)
         if not (_free(lane) and _free(job)):
             return False
-        return _take(lane) and _take(job)
+        lane._level += 1  # (a token of each, as ``_take`` takes one)
+        job._level += 1
+        return True
 
     async def leave(self, ticket: Ticket) -> None:
         """Wait until ``ticket``'s request may leave: as many leave in any stretch of time as
@@ -776,11 +777,9 @@ class Governor:
         lane = self.lanes[ticket.lane]
         c = lane.controller
         if c is not None and c.limited:
-            now = self._loop.time()
-            slot = max(lane.leave_slot, now)
-            lane.leave_slot = slot + 1.0 / c.rate
-            if slot > now:
-                await asyncio.sleep(slot - now)
+            wait, lane.leave_slot = _pace(lane.leave_slot, self._loop.time(), c.rate)
+            if wait > 0:
+                await asyncio.sleep(wait)
         while True:
             bucket, job = lane.sends, self.sends
             await bucket.acquire()
@@ -849,6 +848,13 @@ def _take(bucket: AsyncLimiter) -> bool:
         return False
     bucket._level += 1
     return True
+
+
+def _pace(slot: float, now: float, rate: float) -> tuple[float, float]:
+    """Pacing at ``rate``: the wait for the next slot (``slot``: where it starts, at the
+    earliest), and where the one after it starts."""
+    at = max(slot, now)
+    return at - now, at + 1.0 / rate
 
 
 def _free(bucket: AsyncLimiter) -> bool:

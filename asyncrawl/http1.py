@@ -238,17 +238,16 @@ class _Connection(asyncio.Protocol):
             return
         # httptools buffers a header (or a trailer) of any length before it calls on_header:
         # reads are counted instead, the head's, then after it those with no body byte in them
-        if not self._headers_done:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD:
-                self._fail(ProtocolError(f"a head over {MAX_HEAD} bytes (status line and "
-                                         "headers): not read"))
-        elif self._fed_body or head_before:  # (a read that ended the head: counted there)
-            self._head_bytes = 0
-        else:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD:
-                self._fail(ProtocolError(f"trailers over {MAX_HEAD} bytes: not read"))
+        trailers = self._headers_done
+        if trailers and (self._fed_body or head_before):  # (the read that ended the head was
+            self._head_bytes = 0                           # counted as the head's)
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > MAX_HEAD:
+            what = "trailers" if trailers else "a head"
+            self._fail(ProtocolError(f"{what} over {MAX_HEAD} bytes"
+                                     f"{'' if trailers else ' (status line and headers)'}: "
+                                     "not read"))
 
     def eof_received(self) -> bool:
         self.closed = True  # (before connection_lost, a turn later: not to be taken again)

@@ -458,6 +458,21 @@ async def test_the_ticket_at_once_keeps_to_the_rate_and_to_whatever_holds_reques
     assert fresh.controller is not None and fresh.controller._sent == 1  # counted as sent
 
 
+def let_leave(gov: Governor, held: list[Ticket]) -> tuple[list[asyncio.Task[None]], list[float]]:
+    """The requests of ``held`` (their intents durable now) leave as a worker's do: at once
+    (``may_leave``) or once ``leave`` lets them. The tasks, and when each left (filled in as
+    they do)."""
+    loop = asyncio.get_running_loop()
+    left: list[float] = []
+
+    async def go(ticket: Ticket) -> None:
+        if not gov.may_leave(ticket):
+            await gov.leave(ticket)
+        left.append(loop.time())
+
+    return [asyncio.create_task(go(t)) for t in held], left
+
+
 async def test_requests_held_back_after_their_tickets_leave_within_the_rate() -> None:
     """A request takes its ticket, then waits for its durable intent before it leaves. After a
     stall of the state's writer, the requests whose tickets came meanwhile pass the bucket a
@@ -468,14 +483,7 @@ async def test_requests_held_back_after_their_tickets_leave_within_the_rate() ->
     loop = asyncio.get_running_loop()
     held = [gov.ready() or await gov.acquire() for _ in range(20)]  # the writer stalls: ~0.15 s
     t0 = loop.time()
-    left: list[float] = []
-
-    async def go(ticket: Ticket) -> None:
-        if not gov.may_leave(ticket):
-            await gov.leave(ticket)
-        left.append(loop.time())
-
-    leaving = [asyncio.create_task(go(t)) for t in held]
+    leaving, left = let_leave(gov, held)
     await asyncio.sleep(0)
     assert len(left) == burst  # the second bucket's burst at once, the rest wait in it
     await asyncio.wait_for(asyncio.gather(*leaving), 5)
@@ -516,13 +524,7 @@ async def test_requests_held_back_leave_at_the_adaptive_rate_when_it_is_cut() ->
     c._last_raise = loop.time() + 600  # (no climb back during the test)
     held = [gov.ready() or await gov.acquire() for _ in range(10)]  # ~0.18 s: the writer stalls
     t0 = loop.time()
-    left: list[float] = []
-
-    async def go(ticket: Ticket) -> None:
-        if not gov.may_leave(ticket):
-            await gov.leave(ticket)
-        left.append(loop.time())
-
-    await asyncio.wait_for(asyncio.gather(*(go(t) for t in held)), 5)
+    leaving, left = let_leave(gov, held)
+    await asyncio.wait_for(asyncio.gather(*leaving), 5)
     for n, t in enumerate(sorted(left), 1):
         assert n <= 1 + 50 * (t - t0) * 1.05, (n, t - t0)
