@@ -38,9 +38,9 @@ class Crawler:
         session: an ``aiohttp.ClientSession`` to use; it is never closed by the crawler. Build
             it with :func:`asyncrawl.new_session` to keep the guarantee that every request
             that leaves has its ``sent`` record (a plain session resends a dropped GET once,
-            silently: a warning says so). Without it the crawler makes its own, and with the
-            ``fast`` extra installed sends through ``asyncrawl.http1`` instead (aiohttp's
-            client for a proxy or ``HEAD``; ``ASYNCRAWL_HTTP=aiohttp`` for everything).
+            silently: a warning says so). Without it the crawler makes its own, and sends
+            through ``asyncrawl.http1`` instead (aiohttp's client for a proxy or ``HEAD``;
+            ``ASYNCRAWL_HTTP=aiohttp`` for everything).
         request_for: hook building the ``Request`` for an ID (default: the config's template).
         classify: hook overriding the outcome class of a response (return ``None`` to keep it).
         on_result: called with each ``Result`` once it is durable (e.g. to stream it onward).
@@ -126,7 +126,7 @@ class Crawler:
     async def run(self, ids: Iterable[str] | AsyncIterable[str] | None = None) -> Summary:
         """Fetch every unsettled ID of ``ids`` (default: the config's IDs file)."""
         cfg = self.config
-        # the fast extra's HTTP client sends when the session is the crawler's own
+        # asyncrawl's own HTTP client (http1) sends when the session is the crawler's own
         lean = (self._session is None or self._own_session is not None) and http1.wanted()
         run = self._run = Run(cfg, self.hooks, total=self.total)
         if ids is None and cfg.state_url is not None and not cfg.ids:

@@ -319,7 +319,7 @@ class Fetcher:
                            and status_class(200, config) is Outcome.OK)
         self._ssl = tls_context(config)
         self._proxy = config.proxy or env_proxy(config.url)
-        # ``lean``: the session is the run's own, so what it sends may go by the fast extra's
+        # ``lean``: the session is the run's own, so what it sends may go by asyncrawl's own
         # client instead (not through a proxy; ``http1.Client.serves`` says what else it takes)
         self.lean = http1.Client(limit=config.concurrency, verify=self._ssl) \
             if lean and self._proxy is None else None

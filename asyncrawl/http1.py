@@ -1,14 +1,15 @@
-"""A lean HTTP/1.1 client for the ``fast`` extra: keep-alive connections on asyncio's protocol
-API, answers parsed by httptools (llhttp, Node.js's parser).
+"""A lean HTTP/1.1 client: keep-alive connections on asyncio's protocol API, answers parsed by
+aiohttp's own parser (llhttp, Node.js's parser, in aiohttp's compiled extension).
 
-aiohttp's client spends ~100 µs of CPU on a request here, most of it in machinery a crawl does
-not use per request (``bench/throughput.py``); this one spends ~10 µs on uvloop. It does only
-what ``fetch.Fetcher`` asks of its own sessions: one request at a time per connection, the
-whole answer read before it returns (bounded by ``limit`` after decompression), ``gzip`` and
-``deflate`` decoded, and three timeouts (connect, silence, total). No proxy, no HEAD, no
-cookies, no redirects (the fetcher follows those itself): ``Client.serves`` says which requests
-it takes; the rest go through aiohttp, and so does a crawl when httptools is not installed, when
-``ASYNCRAWL_HTTP=aiohttp``, or when the application passed its own session.
+aiohttp's client spends ~75-100 µs of CPU on a request here, most of it in machinery a crawl
+does not use per request (``bench/throughput.py``); this one ~25 µs on asyncio's loop, less on
+uvloop's. It does only what ``fetch.Fetcher`` asks of its own sessions: one request at a time
+per connection, the whole answer read before it returns (bounded by ``limit`` after
+decompression), ``gzip`` and ``deflate`` decoded, and three timeouts (connect, silence, total).
+No proxy, no HEAD, no cookies, no redirects (the fetcher follows those itself):
+``Client.serves`` says which requests it takes; the rest go through aiohttp's client, and so
+does a crawl when ``ASYNCRAWL_HTTP=aiohttp``, when the application passed its own session, or
+when aiohttp runs without its compiled extension (``COMPILED``).
 
 Failures are its own exceptions, which ``fetch`` classifies: ``ConnectError`` and
 ``ConnectTimeout`` sent nothing; every other failure came after the request had its
@@ -29,22 +30,24 @@ import ssl
 import sys
 import time
 import zlib
-from collections.abc import ItemsView, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import aiohappyeyeballs
+from aiohttp import http_parser
+from aiohttp.http_exceptions import LineTooLong
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from ._version import __version__
 from .errors import ConfigError
 
-try:
-    import httptools
-except ImportError:  # the fast extra is not installed
-    httptools = None
-
-CHOICES = ("auto", "aiohttp", "httptools")
+CHOICES = ("auto", "aiohttp")
+HttpResponseParser = http_parser.HttpResponseParser  # (aiohttp's compiled one where it has it)
+# crawls send through this client where aiohttp has its compiled parser; without it (no wheel
+# for the platform, AIOHTTP_NO_EXTENSIONS) through aiohttp's client, whose answers that same
+# pure-Python parser reads: older versions of it fail on trailers and other transfer codings
+COMPILED = HttpResponseParser is not http_parser.HttpResponseParserPy
 KEEPALIVE = 15.0  # seconds an idle connection is kept (aiohttp's default too)
 DNS_TTL = 300.0  # seconds a host's addresses are kept (as the fetcher's aiohttp session does)
 HAPPY_EYEBALLS = 0.25  # seconds before the next address is tried beside (RFC 8305; aiohttp's)
@@ -54,6 +57,9 @@ MAX_FIELD = 8190  # bytes: one header, name and value (aiohttp's limit too)
 USER_AGENT = f"asyncrawl/{__version__} Python/{sys.version_info[0]}.{sys.version_info[1]}"
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]").search
 _BAD_FIELD = re.compile(r"[\r\n\x00]").search
+_STREAM_LIMIT = 2**30  # bytes the parser's body stream may hold before it asks for a pause:
+#                        never (each read is taken from it at once, and ``limit`` bounds it)
+_NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
 _DEFAULTS = (("user-agent", "User-Agent", USER_AGENT), ("accept", "Accept", "*/*"),
              ("accept-encoding", "Accept-Encoding", "gzip, deflate"))
 
@@ -90,58 +96,23 @@ class ProtocolError(OSError):
 
 
 def wanted() -> bool:
-    """Whether crawls use this client: httptools is installed and ``ASYNCRAWL_HTTP`` is
-    ``auto`` (or unset) or ``httptools``; ``aiohttp`` keeps aiohttp's client for every request.
-    ``httptools`` without httptools installed is a ``ConfigError``."""
+    """Whether crawls use this client: ``ASYNCRAWL_HTTP`` is ``auto`` (or unset) and aiohttp has
+    its compiled parser; ``aiohttp`` keeps aiohttp's client for every request. (``httptools``,
+    which named this client while it parsed with httptools, still means ``auto``.)"""
     choice = os.environ.get("ASYNCRAWL_HTTP", "").strip().lower() or "auto"
-    if choice not in CHOICES:
+    if choice not in CHOICES and choice != "httptools":
         raise ConfigError(f"ASYNCRAWL_HTTP must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == "httptools" and httptools is None:
-        raise ConfigError("ASYNCRAWL_HTTP=httptools needs httptools: pip install 'asyncrawl[fast]'")
-    return choice != "aiohttp" and httptools is not None
-
-
-class Headers(Mapping[str, str]):
-    """An answer's headers, case-insensitive, parsed into a ``CIMultiDict`` only when first
-    read (a plain 200 is classified without them)."""
-
-    __slots__ = ("_d", "raw")
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self.raw = raw
-        self._d: CIMultiDictProxy[str] | None = None
-
-    @property
-    def multi(self) -> CIMultiDictProxy[str]:
-        if self._d is None:
-            self._d = CIMultiDictProxy(CIMultiDict(
-                (k.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
-                for k, v in self.raw))
-        return self._d
-
-    def __getitem__(self, name: str) -> str:
-        return self.multi[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.multi
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.multi)
-
-    def __len__(self) -> int:
-        return len(self.raw)
-
-    def items(self) -> ItemsView[str, str]:  # every pair, repeated names too
-        return self.multi.items()
+    return choice != "aiohttp" and COMPILED
 
 
 class Answer:
-    """One answer: its status, headers and body (``None``: larger than the limit)."""
+    """One answer: its status, headers (as the parser made them, case-insensitive) and body
+    (``None``: larger than the limit)."""
 
     __slots__ = ("body", "headers", "status")
 
-    def __init__(self, status: int, raw: list[tuple[bytes, bytes]], body: bytes | None) -> None:
-        self.status, self.headers, self.body = status, Headers(raw), body
+    def __init__(self, status: int, headers: CIMultiDictProxy[str], body: bytes | None) -> None:
+        self.status, self.headers, self.body = status, headers, body
 
 
 class _Inflate:
@@ -153,8 +124,8 @@ class _Inflate:
 
     __slots__ = ("_d", "gzip", "limit", "size")
 
-    def __init__(self, encoding: bytes, limit: int) -> None:
-        self.gzip = encoding in (b"gzip", b"x-gzip")
+    def __init__(self, encoding: str, limit: int) -> None:
+        self.gzip = encoding in ("gzip", "x-gzip")
         self._d: Any = None  # (made on the first byte)
         self.limit, self.size = limit, 0
 
@@ -191,10 +162,15 @@ class _Inflate:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection: sends a request, parses its answer, resolves the waiter."""
 
+    _reading_paused = False  # (read by aiohttp's body stream: a read is drained at once, so
+    #                           its flow control has nothing to do: see ``pause_reading``)
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser = HttpResponseParser(
+            self, loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
+            read_until_eof=True, auto_decompress=False)
         self.waiter: asyncio.Future[Answer] | None = None
         self.closed = False  # the connection is gone (or going)
         self.reusable = False  # the last answer left it fit for another request
@@ -204,14 +180,16 @@ class _Connection(asyncio.Protocol):
         self._silence: float | None = None
         self._last = 0.0
         self._limit = 0
-        self._raw: list[tuple[bytes, bytes]] = []
+        self._payload: Any = None  # the answer's body as the parser feeds it (a StreamReader)
+        self._headers: CIMultiDictProxy[str] = _NO_HEADERS
         self._chunks: list[bytes] = []
         self._size = 0
         self._status = 0
         self._length: int | None = None
-        self._encoding: bytes | None = None
+        self._encoding = ""
         self._inflate: _Inflate | None = None
         self._chunked = False
+        self._keep_alive = False
         self._headers_done = False
         self._head_bytes = 0
         self._fed_body = False
@@ -228,16 +206,30 @@ class _Connection(asyncio.Protocol):
         self._last = self.loop.time()
         self._fed_body, head_before = False, not self._headers_done
         try:
-            self.parser.feed_data(data)
-        except Exception as e:  # httptools' errors, or a callback's (as its context)
-            cause = e.__cause__ or e.__context__
-            self._fail(cause if isinstance(cause, ProtocolError) else
-                       ProtocolError(f"invalid HTTP answer: {e.__class__.__name__}: {e}"))
+            messages, _, _ = self.parser.feed_data(data)
+            for message, payload in messages:
+                if self.waiter is None:  # a second answer in the bytes of the first
+                    self.close()
+                    return
+                self._begin(message, payload)
+                self._read_body()
+            if not messages and self._payload is not None:
+                self._read_body()
+        except ProtocolError as e:
+            self._fail(e)
+            return
+        except LineTooLong:
+            self._fail(ProtocolError(f"a header over {MAX_FIELD} bytes (or the status line): "
+                                     "not read"))
+            return
+        except Exception as e:  # the parser's (aiohttp's ``BadHttpMessage`` family)
+            why = " ".join(str(getattr(e, "message", None) or e).split())  # (on one line)
+            self._fail(ProtocolError(f"invalid HTTP answer: {e.__class__.__name__}: {why}"))
             return
         if self.waiter is None:
             return
-        # httptools buffers a header (or a trailer) of any length before it calls on_header:
-        # reads are counted instead, the head's, then after it those with no body byte in them
+        # the parser buffers a header (or a trailer) before it hands it over, each up to
+        # MAX_FIELD: reads are counted too, the head's, then after it those with no body byte
         trailers = self._headers_done
         if trailers and (self._fed_body or head_before):  # (the read that ended the head was
             self._head_bytes = 0                           # counted as the head's)
@@ -264,69 +256,70 @@ class _Connection(asyncio.Protocol):
         self._fail(Disconnected(f"the server closed the connection {what}"
                                 + (f" ({exc})" if exc else "")))
 
-    # -- httptools' callbacks ------------------------------------------------------------------
+    # -- aiohttp's body stream calls these; a read is drained at once -------------------------
 
-    def on_message_begin(self) -> None:
-        if self.waiter is None:  # a second answer in the bytes of the first: nobody asked
-            self.close()
-            raise ProtocolError("an answer nobody asked for")
+    def pause_reading(self, *_: Any, **__: Any) -> None:
+        pass
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_FIELD:
-            raise ProtocolError(f"a header over {MAX_FIELD} bytes: not read")
-        if self._headers_done:  # a trailer (after a chunked body): not kept; its bytes are
-            return              # counted with the reads (``data_received``)
-        self._raw.append((name, value))
-        low = name.lower()
-        if low == b"content-length":
-            try:
-                self._length = int(value)
-            except ValueError:
-                self._length = None
-        elif low == b"content-encoding":
-            self._encoding = value.strip().lower()
-        elif low == b"transfer-encoding":  # (chunked if last; else the close ends the body)
-            self._chunked = value.rstrip().lower().endswith(b"chunked")
+    def resume_reading(self, *_: Any, **__: Any) -> None:
+        pass
 
-    def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
+    # -- an answer, as the parser hands it over ------------------------------------------------
+
+    def _begin(self, message: Any, payload: Any) -> None:
+        """A head is parsed: ``message`` (aiohttp's ``RawResponseMessage``) and its body's
+        stream."""
+        status = message.code
         if 100 <= status < 200:  # an interim answer (103 Early Hints): the real one follows
-            self._raw, self._length, self._encoding, self._chunked = [], None, None, False
-            if status == 101 or self.parser.should_upgrade():
+            if status == 101 or message.upgrade:
                 raise ProtocolError("the server switched protocols")
             return
-        self._status, self._headers_done, self._head_bytes = status, True, 0
+        headers = message.headers
+        self._status, self._headers, self._headers_done, self._head_bytes = \
+            status, headers, True, 0
+        self._chunked, self._keep_alive = bool(message.chunked), not message.should_close
+        length = headers.get("Content-Length")
+        try:
+            self._length = int(length) if length is not None else None
+        except ValueError:
+            self._length = None
         if status in (204, 304):
             self._length = 0
+        self._payload = payload
         if self._length is not None and self._length > self._limit:
             self._too_large()
-        elif self._encoding in (b"gzip", b"x-gzip", b"deflate") and self._length != 0:
+            return
+        self._encoding = headers.get("Content-Encoding", "").strip().lower()
+        if self._encoding in ("gzip", "x-gzip", "deflate") and self._length != 0:
             self._inflate = _Inflate(self._encoding, self._limit)
         # (another coding was not asked for: its body is kept as it came, as aiohttp does)
 
-    def on_body(self, body: bytes) -> None:
-        self._fed_body = True
-        if self.waiter is None:
+    def _read_body(self) -> None:
+        """Take what the parser has fed the body's stream; the answer is whole at its end."""
+        payload = self._payload
+        if self.waiter is None or payload is None:
             return
-        if self._inflate is not None:
-            try:
-                out = self._inflate.feed(body)
-            except zlib.error as e:
-                raise self._undecodable(e) from None
-            if out is None:
-                self._too_large()
-            elif out:
-                self._chunks.append(out)
-            return
-        self._size += len(body)
-        if self._size > self._limit:
-            self._too_large()
-        else:
-            self._chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.waiter is not None and self._headers_done:
-            self.reusable = self.parser.should_keep_alive()
+        body = payload.read_nowait()  # (raises what the parser found wrong in the body)
+        if body:
+            self._fed_body = True
+            if self._inflate is not None:
+                try:
+                    out = self._inflate.feed(body)
+                except zlib.error as e:
+                    raise self._undecodable(e) from None
+                if out is None:
+                    self._too_large()
+                    return
+                if out:
+                    self._chunks.append(out)
+            else:
+                self._size += len(body)
+                if self._size > self._limit:
+                    self._too_large()
+                    return
+                self._chunks.append(body)
+        if payload.is_eof():
+            self.reusable = self._keep_alive
             self._complete()
 
     # -- one exchange --------------------------------------------------------------------------
@@ -336,9 +329,9 @@ class _Connection(asyncio.Protocol):
         """Write one request; the future resolves with its answer or fails."""
         self.waiter = waiter = self.loop.create_future()
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
-        self._raw, self._chunks, self._size = [], [], 0
-        self._length, self._encoding, self._inflate = None, None, None
-        self._chunked = self._headers_done = False
+        self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
+        self._length, self._encoding, self._inflate = None, "", None
+        self._chunked = self._keep_alive = self._headers_done = False
         self._head_bytes = 0
         self._last = now = self.loop.time()
         due = min(deadline, now + silence) if silence is not None else deadline
@@ -365,7 +358,7 @@ class _Connection(asyncio.Protocol):
         self._timer = self.loop.call_at(due, self._on_timer)
 
     def _undecodable(self, e: zlib.error) -> ProtocolError:
-        coding = (self._encoding or b"").decode("latin-1")
+        coding = self._encoding
         return ProtocolError(f"cannot decode content-encoding {coding}: {e}")
 
     def _complete(self) -> None:
@@ -381,12 +374,12 @@ class _Connection(asyncio.Protocol):
             self._chunks.append(tail)
         chunks = self._chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._resolve(Answer(self._status, self._raw, body))
+        self._resolve(Answer(self._status, self._headers, body))
 
     def _too_large(self) -> None:
         """The body passes the limit: the answer without it; the rest is not read."""
         self.reusable = False
-        self._resolve(Answer(self._status, self._raw, None))
+        self._resolve(Answer(self._status, self._headers, None))
         self.close()
 
     def _resolve(self, answer: Answer) -> None:
@@ -437,8 +430,6 @@ class Client:
     flight closes its own when it ends."""
 
     def __init__(self, *, limit: int, verify: ssl.SSLContext | bool = True) -> None:
-        if httptools is None:
-            raise ConfigError("this HTTP client needs httptools: pip install 'asyncrawl[fast]'")
         self.limit = limit
         self._verify = verify
         self._tls: ssl.SSLContext | None = None

@@ -168,7 +168,7 @@ class Run:
                       source: IdsFile | AsyncIterator[list[str]], *,
                       lean: bool = False) -> Summary:
         """Fetch every unsettled ID of ``source`` (an IDs file, or chunks of IDs) into
-        ``store``. ``lean``: the session is the run's own, and the fast extra's HTTP client
+        ``store``. ``lean``: the session is the run's own, and asyncrawl's own HTTP client
         may send instead (``http1``)."""
         cfg = self.config
         self._lean = lean

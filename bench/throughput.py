@@ -14,6 +14,8 @@ requests in flight:
   (rate 1e6/s, burst 1e5) but durability on: every result is committed (group commit, fsync)
   into a fresh state directory on the normal disk. This includes what the command does around
   the crawl (reading and checking the IDs file, progress lines, its garbage-collector policy).
+  It sends through asyncrawl's own HTTP client (``asyncrawl/http1.py``), as a plain install does.
+* ``cli-aiohttp`` -- the same with ``ASYNCRAWL_HTTP=aiohttp``: aiohttp's client sends.
 * ``library``   -- the same crawl through the library API, ``Crawler(Config(...)).run(ids)``, in an
   application that leaves Python's garbage collector at its defaults.
 
@@ -80,13 +82,13 @@ from typing import Any, TextIO
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-KINDS = ("baseline", "cli", "library")
+KINDS = ("baseline", "cli", "cli-aiohttp", "library")
 NO_INTENT = "no-intent"  # asyncrawl without the durable "sent" record (``--intent-cost``)
 NO_INTENT_CLI = "cli-no-intent"  # the same for ``asyncrawl run``
 FREE_STORE_CLI = "cli-free-store"  # ``asyncrawl run`` whose store drops sent/ok (``--store-cost``)
-# with the fast extra (``--fast``): its HTTP client on asyncio's loop; the extra whole (uvloop's
-# loop and its HTTP client); the bare aiohttp loop on uvloop's loop
-FAST = ("cli-httptools", "cli-uvloop", "baseline-uvloop")
+# with the fast extra (``--fast``): ``asyncrawl run`` on uvloop's loop; the bare aiohttp loop on
+# uvloop's loop
+FAST = ("cli-uvloop", "baseline-uvloop")
 NGINX_HINT = "nginx not found. Install it with:  apt-get update && apt-get install -y nginx-light"
 NGINX_BUSY_WARN = 0.80  # nginx worker CPU share above which the server may be the bottleneck
 
@@ -253,11 +255,11 @@ def worker_main(args: argparse.Namespace) -> int:
     if args.worker == NO_INTENT_CLI:
         skip_intents()
     dropped = free_store() if args.worker == FREE_STORE_CLI else None
-    # asyncio's loop and aiohttp's client (a plain install) unless the kind says otherwise:
-    # cli-httptools the fast extra's HTTP client, cli-uvloop the whole extra (its loop too)
+    # asyncio's loop and asyncrawl's HTTP client (a plain install) unless the kind says
+    # otherwise: cli-aiohttp aiohttp's client, cli-uvloop the fast extra (uvloop's loop)
     os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
-    os.environ["ASYNCRAWL_HTTP"] = "httptools" if args.worker in FAST[:2] else "aiohttp"
-    if args.worker in ("cli", NO_INTENT_CLI, FREE_STORE_CLI, *FAST[:2]):
+    os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if args.worker == "cli-aiohttp" else "auto"
+    if args.worker in ("cli", "cli-aiohttp", NO_INTENT_CLI, FREE_STORE_CLI, FAST[0]):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
         code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
@@ -633,7 +635,7 @@ def driver_main(args: argparse.Namespace) -> int:
     rows = [("cli", ratio, "ratio"), ("library", library_ratio, "library ratio")]
     rows += [(k + REF, ratio_of(k + REF), f"{label} of --against")
              for k, _, label in list(rows) if k + REF in medians]
-    rows += [(k, ratio_of(k), f"{k} ratio") for k in FAST if k in medians]
+    rows += [(k, ratio_of(k), f"{k} ratio") for k in ("cli-aiohttp", *FAST) if k in medians]
     for kind, value, label in rows:
         if value is not None:
             cpu_ratio = cpu_medians[kind] / cpu_medians["baseline"]
@@ -707,7 +709,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=(*KINDS, NO_INTENT, NO_INTENT_CLI, FREE_STORE_CLI, *FAST),
                    help=argparse.SUPPRESS)
     p.add_argument("--fast", action="store_true",
-                   help="also run cli-httptools, cli-uvloop and baseline-uvloop (needs "
+                   help="also run cli-uvloop and baseline-uvloop (needs "
                         "asyncrawl[fast])")
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--fsync-delay", type=float, default=0.0, metavar="MS",

@@ -213,19 +213,16 @@ def as_schema_2(db_path: Path) -> None:
         PRAGMA user_version = 2;""")
 
 
-@pytest.fixture(params=["aiohttp", "httptools"])
+@pytest.fixture(params=["aiohttp", "http1"])
 async def both_clients(request: pytest.FixtureRequest,
                        monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
-    """Runs a test once with aiohttp's client and once with the fast extra's (``http1``):
+    """Runs a test once with aiohttp's client and once with asyncrawl's own (``http1``):
     every ``Fetcher`` the test makes sends through it as a run's own fetcher would, and is
     closed when the test ends."""
-    from asyncrawl import http1
     from asyncrawl.fetch import Fetcher
 
     made: list[Fetcher] = []
-    if request.param == "httptools":
-        if http1.httptools is None:  # pragma: no cover - CI installs the fast extra
-            pytest.skip("httptools (the fast extra) is not installed")
+    if request.param == "http1":
         init = Fetcher.__init__
 
         def lean_init(self: Fetcher, *args: Any, **kw: Any) -> None:

@@ -1133,7 +1133,7 @@ def test_a_wrong_loop_choice_is_an_input_error() -> None:
 def test_a_wrong_http_client_choice_is_an_input_error() -> None:
     r = cli("demo", env={"ASYNCRAWL_HTTP": "curl"})
     assert r.returncode == 2, r.stderr
-    assert "ASYNCRAWL_HTTP must be one of auto, aiohttp, httptools, got 'curl'" in r.stderr
+    assert "ASYNCRAWL_HTTP must be one of auto, aiohttp, got 'curl'" in r.stderr
 
 
 def test_state_dir_on_the_command_line_replaces_the_config_s_state_url(tmp_path: Path) -> None:

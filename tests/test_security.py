@@ -465,7 +465,7 @@ def dir_bytes(d: Path) -> list[bytes]:
     return [p.read_bytes() for p in d.rglob("*") if p.is_file()]
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httptools"])
+@pytest.mark.parametrize("client", ["aiohttp", "http1"])
 def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostile, other: Hostile,
                                                  client: str) -> None:
     """A full CLI job against every misbehaviour at once, the key in a parameter (with characters
@@ -477,7 +477,7 @@ def test_a_hostile_job_writes_no_secret_anywhere(tmp_path: Path, hostile: Hostil
     ids = write_ids(tmp_path / "ids.txt", [*names, *(f"n{i}" for i in range(30))])
     state = tmp_path / "state"
     env = {"ASYNCRAWL_TEST_KEY": KEY, "ASYNCRAWL_T_TOKEN": TOKEN, "ASYNCRAWL_T_SIG": SIG,
-           "ASYNCRAWL_HTTP": client}
+           "ASYNCRAWL_HTTP": "auto" if client == "http1" else client}
     conf = write_config(tmp_path / "c.toml", hostile.item_url, state, ids,
                         request={"read_timeout": 0.3, "max_body_bytes": 100_000,
                                  "follow_redirects": "any"},
@@ -861,7 +861,7 @@ def outcomes(state: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "httptools"])
+@pytest.mark.parametrize("client", ["aiohttp", "http1"])
 async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, tmp_path: Path,
                                                             client: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -883,8 +883,8 @@ async def test_every_misbehaviour_is_classified_and_recorded(hostile: Hostile, t
         "not-http": ("failed", None, False, "ClientResponseError"),
         "huge-header": ("failed", None, False, "ClientResponseError"),
     }
-    monkeypatch.setenv("ASYNCRAWL_HTTP", client)
-    if client == "httptools":  # (the crawler's own session: http1 sends)
+    monkeypatch.setenv("ASYNCRAWL_HTTP", "auto" if client == "http1" else client)
+    if client == "http1":  # (the crawler's own session: http1 sends)
         expected |= {"hangup": ("failed", None, False, "Disconnected: the server closed"),
                      "bad-length": ("failed", None, False, "ProtocolError: invalid HTTP answer"),
                      "not-http": ("failed", None, False, "ProtocolError: invalid HTTP answer"),
