@@ -168,9 +168,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.parser = HttpResponseParser(
-            self, loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
-            read_until_eof=True, auto_decompress=False)
+        self.parser: Any = None  # (aiohttp's, one for each answer: ``send``)
         self.waiter: asyncio.Future[Answer] | None = None
         self.closed = False  # the connection is gone (or going)
         self.reusable = False  # the last answer left it fit for another request
@@ -185,10 +183,8 @@ class _Connection(asyncio.Protocol):
         self._chunks: list[bytes] = []
         self._size = 0
         self._status = 0
-        self._length: int | None = None
         self._encoding = ""
         self._inflate: _Inflate | None = None
-        self._chunked = False
         self._keep_alive = False
         self._headers_done = False
         self._head_bytes = 0
@@ -218,13 +214,15 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as e:
             self._fail(e)
             return
-        except LineTooLong:
-            self._fail(ProtocolError(f"a header over {MAX_FIELD} bytes (or the status line): "
-                                     "not read"))
-            return
         except Exception as e:  # the parser's (aiohttp's ``BadHttpMessage`` family)
-            why = " ".join(str(getattr(e, "message", None) or e).split())  # (on one line)
-            self._fail(ProtocolError(f"invalid HTTP answer: {e.__class__.__name__}: {why}"))
+            if self._whole():  # bytes that are no answer after one that is whole: it is kept,
+                return         # the connection is not
+            if isinstance(e, LineTooLong):
+                why = f"a header over {MAX_FIELD} bytes (or the status line): not read"
+            else:
+                why = " ".join(str(getattr(e, "message", None) or e).split())  # (one line)
+                why = f"invalid HTTP answer: {e.__class__.__name__}: {why}"
+            self._fail(ProtocolError(why))
             return
         if self.waiter is None:
             return
@@ -249,9 +247,19 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.waiter is None:
             return
-        if exc is None and self._headers_done and self._length is None and not self._chunked:
-            self._complete()  # an answer delimited by the close (HTTP/1.0 style)
-            return
+        if exc is None and self._headers_done:  # the parser tells whether the close ends the
+            try:                                # body (HTTP/1.0 style) or cuts it short
+                self.parser.feed_eof()
+            except Exception:  # (a length or chunks not whole: cut short, below)
+                pass
+            else:
+                try:
+                    self._read_body()
+                except ProtocolError as e:
+                    self._fail(e)
+                    return
+                if self.waiter is None:
+                    return
         what = "while sending its answer" if self._headers_done else "before answering"
         self._fail(Disconnected(f"the server closed the connection {what}"
                                 + (f" ({exc})" if exc else "")))
@@ -277,20 +285,18 @@ class _Connection(asyncio.Protocol):
         headers = message.headers
         self._status, self._headers, self._headers_done, self._head_bytes = \
             status, headers, True, 0
-        self._chunked, self._keep_alive = bool(message.chunked), not message.should_close
-        length = headers.get("Content-Length")
-        try:
-            self._length = int(length) if length is not None else None
+        self._keep_alive, self._payload = not message.should_close, payload
+        try:  # (the parser delimits the body; this is for the limit before it comes)
+            length = int(headers.get("Content-Length", ""))
         except ValueError:
-            self._length = None
+            length = None
         if status in (204, 304):
-            self._length = 0
-        self._payload = payload
-        if self._length is not None and self._length > self._limit:
+            length = 0
+        if length is not None and length > self._limit:
             self._too_large()
             return
         self._encoding = headers.get("Content-Encoding", "").strip().lower()
-        if self._encoding in ("gzip", "x-gzip", "deflate") and self._length != 0:
+        if self._encoding in ("gzip", "x-gzip", "deflate") and length != 0:
             self._inflate = _Inflate(self._encoding, self._limit)
         # (another coding was not asked for: its body is kept as it came, as aiohttp does)
 
@@ -322,16 +328,36 @@ class _Connection(asyncio.Protocol):
             self.reusable = self._keep_alive
             self._complete()
 
+    def _whole(self) -> bool:
+        """Whether the answer was whole before the parser failed on what followed it (a 204 or
+        a 304 with a body, bytes beyond ``Content-Length``): then it resolves, and the
+        connection is not used again. (Where its head came in the same read as what broke
+        the parser, the parser never handed it over: that answer is lost, as with aiohttp's
+        client.)"""
+        if self.waiter is None or self._payload is None or not self._payload.is_eof():
+            return False
+        self._keep_alive = False
+        try:
+            self._read_body()
+        except ProtocolError as e:
+            self._fail(e)
+        return True
+
     # -- one exchange --------------------------------------------------------------------------
 
     def send(self, payload: bytes, limit: int, deadline: float,
              silence: float | None) -> asyncio.Future[Answer]:
         """Write one request; the future resolves with its answer or fails."""
         self.waiter = waiter = self.loop.create_future()
+        # a parser for each answer: what the last one holds (a stray head's start) is not read
+        # as the start of this one
+        self.parser = HttpResponseParser(
+            self, self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
+            read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``_Inflate``)
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
         self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
-        self._length, self._encoding, self._inflate = None, "", None
-        self._chunked = self._keep_alive = self._headers_done = False
+        self._encoding, self._inflate = "", None
+        self._keep_alive = self._headers_done = False
         self._head_bytes = 0
         self._last = now = self.loop.time()
         due = min(deadline, now + silence) if silence is not None else deadline

@@ -6,12 +6,10 @@ Against the bundled mock API in a process of its own (``--latency`` seconds adde
 answer, no faults, no key), ``--ids`` IDs with ``--concurrency`` requests in flight:
 
 * ``baseline``: a bare aiohttp loop (``bench/throughput.py``'s: a queue, N tasks, one session);
-* ``cli``: ``asyncrawl run`` on asyncio's loop with aiohttp's client, as a plain install runs it
-  (durability and in-doubt on, a fresh state);
-* ``cli-httptools``: the same with the ``fast`` extra's HTTP client (``asyncrawl/http1.py``);
-* ``cli-uvloop``: the ``fast`` extra whole: its client on uvloop's loop.
-
-The last two when the extra is installed.
+* ``cli``: ``asyncrawl run`` on asyncio's loop, as a plain install runs it (asyncrawl's own HTTP
+  client, ``asyncrawl/http1.py``; durability and in-doubt on, a fresh state);
+* ``cli-aiohttp``: the same with aiohttp's client (``ASYNCRAWL_HTTP=aiohttp``);
+* ``cli-uvloop``: the ``fast`` extra: ``cli`` on uvloop's loop (when the extra is installed).
 
 The ideal is ``concurrency / latency`` requests per second (1,000 at 100 ms and 100 in flight):
 each figure is given as a share of it. The timed section is the crawl (for ``cli``: the whole
@@ -76,7 +74,7 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         import asyncrawl.cli
 
         os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
-        os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli" else "httptools"
+        os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli-aiohttp" else "auto"
         cfg = write_job(work, url, n, concurrency)
         t0 = time.perf_counter()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
@@ -111,15 +109,14 @@ def main() -> int:
     from asyncrawl.testing import MockProcess, read_log, requests_by_id
 
     compile_package()
-    kinds = ["baseline", "cli"]
+    kinds = ["baseline", "cli", "cli-aiohttp"]
     try:
-        import httptools  # noqa: F401
         import uvloop  # noqa: F401
 
-        kinds += ["cli-httptools", "cli-uvloop"]
+        kinds += ["cli-uvloop"]
     except ImportError:
-        print("the fast extra is not installed (pip install 'asyncrawl[fast]'): no "
-              "cli-httptools, no cli-uvloop", file=sys.stderr)
+        print("the fast extra is not installed (pip install 'asyncrawl[fast]'): no cli-uvloop",
+              file=sys.stderr)
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
     body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer

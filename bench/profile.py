@@ -43,7 +43,7 @@ STAGES = {  # inclusive time of the pipeline's own functions, by the name py-spy
     "store: the loop's reads of its answers": "_readable (asyncrawl/sqlproc.py",
     "store: the writing process (sqlstore.serve_writes), all of it": "serve_writes (asyncrawl/",
     "store: the run's dedup in SQLite (admit, off the loop)": "_admit (asyncrawl/sqlstore.py",
-    "http1: the fast extra's client, all of it (with httptools' parsing)": "(asyncrawl/http1.py",
+    "http1: asyncrawl's client, all of it (with aiohttp's parser under it)": "(asyncrawl/http1.py",
     "aiohttp: ClientSession._request": "_request (aiohttp/client.py",
     "aiohttp: response parsing (data_received)": "data_received (aiohttp/client_proto.py",
     "asyncio: event loop internals (_run_once)": "_run_once (asyncio/base_events.py",

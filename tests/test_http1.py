@@ -596,3 +596,48 @@ async def test_connects_at_once_to_one_host_share_its_lookup(
     finally:
         release.set()
         client.close()
+
+
+async def test_a_close_ends_the_body_only_where_the_parser_says_so(raw, client) -> None:
+    # a length the parser reads under a name it keeps as written ("Content-Length "): the
+    # close cuts the body short; it does not end it (9 bytes of 100 were an OK before)
+    srv = await raw(answering(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Content-Length : 100\r\n\r\n[1, 2, 3]", keep=False))
+    with pytest.raises(http1.Disconnected, match="while sending its answer"):
+        await get(client, f"{srv.url}/x")
+
+
+async def test_a_stray_head_after_an_answer_is_not_read_into_the_next(raw, client) -> None:
+    answers = iter([ok() + b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Junk: ",
+                    b"HTTP/1.1 404 Not Found\r\nContent-Length: 17\r\n\r\n{\"error\": \"gone\"}"])
+
+    async def answer(head, reader, writer) -> bool:
+        writer.write(next(answers))
+        return True
+
+    srv = await raw(answer)
+    assert (await get(client, f"{srv.url}/1")).body == b'{"a": 1}'
+    a = await get(client, f"{srv.url}/2")
+    assert (a.status, a.body) == (404, b'{"error": "gone"}')  # (it was a 200 of that body)
+
+
+@pytest.mark.parametrize("answer_bytes", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n", b'{"a": 1} '),
+    (b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n", b"2\r\n{}\r\n0\r\n\r\nhello"),
+])
+async def test_bytes_after_a_whole_answer_keep_it_not_its_connection(
+        raw, client, answer_bytes: tuple[bytes, bytes]) -> None:
+    head, rest = answer_bytes
+
+    async def answer(_, reader, writer) -> bool:
+        writer.write(head)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # (the head and what follows it in two reads: in one, the
+        writer.write(rest)         # parser never hands the answer over, as with aiohttp's)
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/1")
+    assert (a.status, a.body) == (int(head.split()[1]), rest[:8] if b"Length" in head else b"{}")
+    await get(client, f"{srv.url}/2")
+    assert srv.connections == 2  # the first connection was not used again
