@@ -1,4 +1,4 @@
-"""http1.py, the fast extra's HTTP/1.1 client, against real servers on loopback that answer
+"""http1.py, asyncrawl's own HTTP/1.1 client, against real servers on loopback that answer
 byte by byte as a test tells them: keep-alive reuse, the ways an answer is delimited (length,
 chunks, the close), interim answers, gzip and deflate, the body limit, every failure (refused,
 closed before or within the answer, malformed, silent, too slow) and what each one means for
