@@ -70,9 +70,20 @@ def record(args: argparse.Namespace, base: str, fmt: str, out: Path, work: Path)
 
 
 def main_thread(stacks: dict[str, int]) -> dict[str, int]:
-    """The event loop's thread: stacks that run ``asyncio.run`` / ``Runner.run`` / uvloop's."""
-    return {s: n for s, n in stacks.items() if "run_until_complete" in s or "uvloop" in s
-            or "_run_once" in s}
+    """The event loop's thread: the main thread of the profiled process (not of the writing
+    process forked from it, whose stacks begin with both processes), in stacks that run the
+    loop (``Runner.run``, ``run_until_complete``, ``_run_once``; uvloop's are not Python
+    frames)."""
+    loop = {}
+    for stack, n in stacks.items():
+        frames = stack.split(";")
+        if len(frames) < 2 or frames[1].startswith("process "):
+            continue
+        pid = frames[0].removeprefix("process ").partition(":")[0]
+        if frames[1].startswith(f"thread ({pid})") and (
+                "Runner.run (" in stack or "run_until_complete" in stack or "_run_once" in stack):
+            loop[stack] = n
+    return loop
 
 
 def _function(frame: str) -> str:
