@@ -80,8 +80,10 @@ def main_thread(stacks: dict[str, int]) -> dict[str, int]:
         if len(frames) < 2 or frames[1].startswith("process "):
             continue
         pid = frames[0].removeprefix("process ").partition(":")[0]
-        if frames[1].startswith(f"thread ({pid})") and (
-                "Runner.run (" in stack or "run_until_complete" in stack or "_run_once" in stack):
+        main = frames[1].startswith(f"thread ({pid})") if frames[1].startswith("thread (") \
+            else "Thread._bootstrap" not in stack  # (recorded without ``--threads``)
+        if main and ("Runner.run (" in stack or "run_until_complete" in stack
+                     or "_run_once" in stack):
             loop[stack] = n
     return loop
 
