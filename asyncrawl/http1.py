@@ -204,12 +204,13 @@ class _Connection(asyncio.Protocol):
         try:
             messages, _, _ = self.parser.feed_data(data)
             for message, payload in messages:
+                if self._payload is not None:  # (the answer before this head is whole: its
+                    self._read_body()          # body first, before this head replaces it)
                 if self.waiter is None:  # a second answer in the bytes of the first
                     self.close()
                     return
                 self._begin(message, payload)
-                self._read_body()
-            if not messages and self._payload is not None:
+            if self._payload is not None:
                 self._read_body()
         except ProtocolError as e:
             self._fail(e)
@@ -325,8 +326,17 @@ class _Connection(asyncio.Protocol):
                     return
                 self._chunks.append(body)
         if payload.is_eof():
-            self.reusable = self._keep_alive
+            self.reusable = self._keep_alive and not self._stray()
             self._complete()
+
+    def _stray(self) -> bool:
+        """Whether bytes after the answer began another one, which nobody asked for: the
+        parser's end then hands a head over (or fails on it). The connection is not used
+        again: the rest of that head would be read as the start of the next answer."""
+        try:
+            return self.parser.feed_eof() is not None
+        except Exception:
+            return True
 
     def _whole(self) -> bool:
         """Whether the answer was whole before the parser failed on what followed it (a 204 or

@@ -619,6 +619,23 @@ async def test_a_stray_head_after_an_answer_is_not_read_into_the_next(raw, clien
     assert (await get(client, f"{srv.url}/1")).body == b'{"a": 1}'
     a = await get(client, f"{srv.url}/2")
     assert (a.status, a.body) == (404, b'{"error": "gone"}')  # (it was a 200 of that body)
+    assert srv.connections == 2  # the rest of the stray head may still come on the first
+
+
+async def test_a_second_answer_after_a_body_does_not_replace_the_answer(raw, client) -> None:
+    # the head in one read; its body and a whole answer nobody asked for in the next
+    async def answer(head, reader, writer) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # (two reads: in one, the parser hands both heads over)
+        writer.write(b'{"id": 1}' + ok(b'{"id": "XX"}', b"X: 500\r\n"))
+        return True
+
+    srv = await raw(answer)
+    a = await get(client, f"{srv.url}/1")
+    assert (a.status, a.body) == (200, b'{"id": 1}')  # (it was the second answer's body)
+    await get(client, f"{srv.url}/2")
+    assert srv.connections == 2
 
 
 @pytest.mark.parametrize("answer_bytes", [
