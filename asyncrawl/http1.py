@@ -178,7 +178,8 @@ class _Connection(asyncio.Protocol):
         self._silence: float | None = None
         self._last = 0.0
         self._limit = 0
-        self._payload: Any = None  # the answer's body as the parser feeds it (a StreamReader)
+        # the answer's body as the parser feeds it (a StreamReader): there once its head is
+        self._payload: Any = None
         self._headers: CIMultiDictProxy[str] = _NO_HEADERS
         self._chunks: list[bytes] = []
         self._size = 0
@@ -186,7 +187,6 @@ class _Connection(asyncio.Protocol):
         self._encoding = ""
         self._inflate: _Inflate | None = None
         self._keep_alive = False
-        self._headers_done = False
         self._head_bytes = 0
         self._fed_body = False
 
@@ -200,7 +200,7 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self._last = self.loop.time()
-        self._fed_body, head_before = False, not self._headers_done
+        self._fed_body, head_before = False, self._payload is None
         try:
             messages, _, _ = self.parser.feed_data(data)
             for message, payload in messages:
@@ -229,7 +229,7 @@ class _Connection(asyncio.Protocol):
             return
         # the parser buffers a header (or a trailer) before it hands it over, each up to
         # MAX_FIELD: reads are counted too, the head's, then after it those with no body byte
-        trailers = self._headers_done
+        trailers = self._payload is not None
         if trailers and (self._fed_body or head_before):  # (the read that ended the head was
             self._head_bytes = 0                           # counted as the head's)
             return
@@ -248,20 +248,19 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.waiter is None:
             return
-        if exc is None and self._headers_done:  # the parser tells whether the close ends the
-            try:                                # body (HTTP/1.0 style) or cuts it short
+        headed = self._payload is not None
+        if exc is None and headed:  # the parser tells whether the close ends the body (HTTP/1.0
+            try:                    # style) or cuts it short (a length or chunks not whole)
                 self.parser.feed_eof()
-            except Exception:  # (a length or chunks not whole: cut short, below)
+                self._read_body()
+            except ProtocolError as e:
+                self._fail(e)
+                return
+            except Exception:  # (the parser's: cut short, below)
                 pass
-            else:
-                try:
-                    self._read_body()
-                except ProtocolError as e:
-                    self._fail(e)
-                    return
-                if self.waiter is None:
-                    return
-        what = "while sending its answer" if self._headers_done else "before answering"
+            if self.waiter is None:
+                return
+        what = "while sending its answer" if headed else "before answering"
         self._fail(Disconnected(f"the server closed the connection {what}"
                                 + (f" ({exc})" if exc else "")))
 
@@ -284,8 +283,7 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolError("the server switched protocols")
             return
         headers = message.headers
-        self._status, self._headers, self._headers_done, self._head_bytes = \
-            status, headers, True, 0
+        self._status, self._headers, self._head_bytes = status, headers, 0
         self._keep_alive, self._payload = not message.should_close, payload
         try:  # (the parser delimits the body; this is for the limit before it comes)
             length = int(headers.get("Content-Length", ""))
@@ -367,7 +365,7 @@ class _Connection(asyncio.Protocol):
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
         self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
         self._encoding, self._inflate = "", None
-        self._keep_alive = self._headers_done = False
+        self._keep_alive = False
         self._head_bytes = 0
         self._last = now = self.loop.time()
         due = min(deadline, now + silence) if silence is not None else deadline

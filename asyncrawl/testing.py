@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import email.utils
 import math
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -211,6 +212,12 @@ def requests_by_id(log: list[LogEntry]) -> dict[str, list[tuple[float, float | N
             i = open_[e.id].pop(0)
             reqs[i] = (reqs[i][0], e.t, e.status)
     return out
+
+
+def most_in_window(times: Sequence[float], width: float = 1.0) -> int:
+    """The most of ``times`` (sorted) in any window ``width`` seconds long: to judge a rate
+    limit from the server's log (every request's start)."""
+    return max((bisect.bisect_left(times, t + width) - i for i, t in enumerate(times)), default=0)
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ from typing import Any
 
 from asyncrawl import Config, Crawler, Summary
 from asyncrawl.store import read_store
-from asyncrawl.testing import LogEntry, MockProcess, read_log, requests_by_id
+from asyncrawl.testing import LogEntry, MockProcess, most_in_window, read_log, requests_by_id
 
 
 def crawl(url: str, state: Path, n: int, **kw: Any) -> Summary:
@@ -115,7 +115,7 @@ def accuracy() -> bool:
 
     def judge(log: list[LogEntry], s: Summary, state: Path) -> list[tuple[str, float, str, bool]]:
         t = starts(log)
-        most = max(bisect.bisect_left(t, x + 1.0) - i for i, x in enumerate(t))
+        most = most_in_window(t)
         # The mean over the steady part: after the initial burst has been spent.
         steady = t[burst:]
         mean = (len(steady) - 1) / (steady[-1] - steady[0])

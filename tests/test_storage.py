@@ -20,7 +20,6 @@ there (its IDs are not fetched again) or not (its IDs were in doubt, and are fet
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import os
@@ -36,7 +35,7 @@ from typing import Any
 import pytest
 
 from asyncrawl.sqlstore import DB
-from asyncrawl.testing import read_log
+from asyncrawl.testing import most_in_window, read_log
 
 from .conftest import KEY, ROOT, cli, write_config, write_ids
 from .test_cli import ENV, answers, durable_ok_ids, export, jsonl, popen_cli, starts, status_json, wait_until
@@ -371,5 +370,5 @@ def test_requests_held_back_by_a_stalled_writer_leave_within_the_rate(
             run.wait()
     t = sorted(e.t for e in mock.settled_log() if e.event == "start")
     assert len(t) == 250
-    worst = max(bisect.bisect_left(t, x + 1.0) - i for i, x in enumerate(t))
+    worst = most_in_window(t)
     assert worst <= rate * 1.05 + burst, worst
