@@ -11,7 +11,9 @@ every answer and the rate out of the way, and times, by wrapping the functions i
   (``sqlproc.WriterProcess.send``), or until the writer's thread starts the transaction
   holding it (``Writer``);
 * ``round trip`` (the writing process): from a batch's send until the event loop reads the
-  child's ``logged`` answer for it (the intent log's write included);
+  child's ``logged`` answer for it (the intent log's write included); and, request by
+  request, its batch's round trip and the rest (``after it``: from that answer being read
+  until the request's future resolves: the event loop's pass that read it, and the next);
 * ``Writer`` only (a store written in the run's own process): the store's transactions, by
   what they hold (intents only, ``ok`` results only, both), with their wall time, the writer
   thread's CPU in them, and records per transaction;
@@ -72,13 +74,27 @@ def main() -> int:
 
     trips: list[float] = []
     sent_at: dict[int, float] = {}  # batch number -> when it went down the pipe
+    batch_of: dict[int, tuple[int, float]] = {}  # id(intent) -> (its batch's number, sent when)
+    read_at: dict[int, float] = {}  # batch number -> when its ``logged`` answer was read
+    req_trip: list[float] = []  # a request's share: its batch's round trip
+    after: list[float] = []  # a request's share: from that answer to its future's callbacks
 
     def timed(commit: Any) -> Any:
         def timed_commit(self: Any, rec: Any) -> Any:
             fut = commit(self, rec)
             t = time.perf_counter()
             queued[id(rec)] = t
-            fut.add_done_callback(lambda _f: intent.append(time.perf_counter() - t))
+            key = id(rec)
+
+            def done(_f: Any) -> None:
+                now = time.perf_counter()
+                intent.append(now - t)
+                seq, sent = batch_of.pop(key, (None, 0.0))
+                if seq in read_at:
+                    req_trip.append(read_at[seq] - sent)
+                    after.append(now - read_at[seq])
+
+            fut.add_done_callback(done)
             return fut
         return timed_commit
 
@@ -93,6 +109,9 @@ def main() -> int:
                 waits.append(t - born)
         seq = send(self, records)
         sent_at[seq] = t
+        for rec in records:
+            if rec.kind == "sent":
+                batch_of[id(rec)] = (seq, t)
         return seq
 
     answer = writer.ProcessWriter._answer
@@ -102,6 +121,7 @@ def main() -> int:
             t = time.perf_counter()
             for seq in [s for s in sent_at if s <= got[1]]:
                 trips.append(t - sent_at.pop(seq))
+                read_at[seq] = t
         answer(self, got)
 
     store_commit = sqlstore.SqliteStore.commit
@@ -157,10 +177,11 @@ def main() -> int:
           f"{args.concurrency}: {args.ids / elapsed:,.0f} req/s ({elapsed:.1f} s); the event "
           f"loop's thread busy {loop_cpu / elapsed:.0%} ({loop_cpu / args.ids * 1e6:.0f} us CPU a request)")
     for name, xs in (("intent (request waits)", intent), ("  of it: queue wait", waits),
-                     ("batch round trip", trips), ("attempt (the request)", attempts)):
+                     ("batch round trip", trips), ("  a request's: round trip", req_trip),
+                     ("  a request's: after it", after), ("attempt (the request)", attempts)):
         if not xs:
             continue
-        print(f"{name:<24} p50 {pct(xs, 0.5):7.2f} ms  p90 {pct(xs, 0.9):7.2f} ms")
+        print(f"{name:<26} p50 {pct(xs, 0.5):7.2f} ms  p90 {pct(xs, 0.9):7.2f} ms")
     if not commits:  # (the writing process's store: its transactions are not in this process)
         return 0
     busy = sum(c[1] for c in commits)
