@@ -392,8 +392,7 @@ class _Connection(asyncio.Protocol):
         self._timer = self.loop.call_at(due, self._on_timer)
 
     def _undecodable(self, e: zlib.error) -> ProtocolError:
-        coding = self._encoding
-        return ProtocolError(f"cannot decode content-encoding {coding}: {e}")
+        return ProtocolError(f"cannot decode content-encoding {self._encoding}: {e}")
 
     def _complete(self) -> None:
         if self._inflate is not None:

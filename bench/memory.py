@@ -37,12 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from throughput import nginx_server  # noqa: E402
+from throughput import cli_files, nginx_server  # noqa: E402
 
 BOUND = 1.2  # the run's peak RSS at the largest size over at the smallest, at most
 
@@ -67,22 +67,21 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def crawl(n: int, concurrency: int, every: float) -> dict[str, Any]:
+class Crawl(NamedTuple):
+    samples: list[tuple[float, int, list[int]]]  # (s, the run's MB, its children's MB)
+    peaks: tuple[int, list[int | None]]  # VmHWM: the run's, its children's
+    elapsed: float
+
+
+def crawl(n: int, concurrency: int, every: float) -> Crawl:
     """One ``asyncrawl run`` of ``n`` IDs, sampled: its samples, peaks and time."""
     command = Path(sys.executable).parent / "asyncrawl"
     if not command.exists():
         raise SystemExit(f"{command} not found: make .venv/bin/asyncrawl first")
     with tempfile.TemporaryDirectory(prefix="memory-") as tmp, nginx_server(Path(tmp)) as server:
-        ids = Path(tmp) / "ids.txt"
-        with open(ids, "w") as f:
-            for start in range(0, n, 100_000):
-                f.write("".join(f"{i}\n" for i in range(start, min(n, start + 100_000))))
-        cfg = Path(tmp) / "memory.toml"
-        cfg.write_text(f'[source]\nids = "{ids}"\n[request]\nurl = "{server.base}/items/{{id}}"\n'
-                       f"[limits]\nconcurrency = {concurrency}\nrate = 1000000\n"
-                       f'burst = 100000\n[passes]\ncooldown = 0\n[state]\ndir = "{tmp}/state"\n')
+        argv = cli_files(server.base, n, concurrency, str(Path(tmp) / "state"))
         t0 = time.monotonic()
-        proc = subprocess.Popen([str(command), "run", "-c", str(cfg), "--no-progress"],
+        proc = subprocess.Popen([str(command), *argv, "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         samples: list[tuple[float, int, list[int]]] = []  # (s, run's MB, its children's MB)
         peaks: tuple[int | None, list[int | None]] = (None, [])
@@ -99,7 +98,7 @@ def crawl(n: int, concurrency: int, every: float) -> dict[str, Any]:
         elapsed = time.monotonic() - t0
     if proc.returncode != 0 or not samples or peaks[0] is None:
         raise SystemExit(f"asyncrawl run exited {proc.returncode}:\n{err[-2000:]}")
-    return {"samples": samples, "peaks": peaks, "elapsed": elapsed}
+    return Crawl(samples, (peaks[0], peaks[1]), elapsed)
 
 
 def main() -> int:
@@ -112,8 +111,7 @@ def main() -> int:
     sizes = [int(x) for x in args.sizes.split(",")]
     peak: dict[int, int] = {}
     for n in sizes:
-        got = crawl(n, args.concurrency, args.every)
-        samples, (run_peak, kid_peaks), elapsed = got["samples"], got["peaks"], got["elapsed"]
+        samples, (run_peak, kid_peaks), elapsed = crawl(n, args.concurrency, args.every)
         print(f"{n:,} IDs, concurrency {args.concurrency}: {elapsed:.0f} s "
               f"({n / elapsed:,.0f} req/s)")
         print("     s   run MB   writing process MB")

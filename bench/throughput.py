@@ -259,7 +259,7 @@ def worker_main(args: argparse.Namespace) -> int:
     # otherwise: cli-aiohttp aiohttp's client, cli-uvloop the fast extra (uvloop's loop)
     os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
     os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if args.worker == "cli-aiohttp" else "auto"
-    if args.worker in ("cli", "cli-aiohttp", NO_INTENT_CLI, FREE_STORE_CLI, FAST[0]):
+    if args.worker in ("cli", "cli-aiohttp", NO_INTENT_CLI, FREE_STORE_CLI, "cli-uvloop"):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
         code = asyncrawl.cli.main(argv)  # ``asyncrawl run``: it runs its own event loop
