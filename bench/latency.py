@@ -9,7 +9,12 @@ answer, no faults, no key), ``--ids`` IDs with ``--concurrency`` requests in fli
 * ``cli``: ``asyncrawl run`` on asyncio's loop, as a plain install runs it (asyncrawl's own HTTP
   client, ``asyncrawl/http1.py``; durability and in-doubt on, a fresh state);
 * ``cli-aiohttp``: the same with aiohttp's client (``ASYNCRAWL_HTTP=aiohttp``);
-* ``cli-uvloop``: the ``fast`` extra: ``cli`` on uvloop's loop (when the extra is installed).
+* ``cli-uvloop``: the ``fast`` extra: ``cli`` on uvloop's loop (when the extra is installed);
+* with ``--intent-cost``, ``cli-no-intent``: ``cli`` with the durable ``sent`` record resolved at
+  once, unwritten (``throughput.skip_intents``); with ``--store-cost``, ``cli-free-store``:
+  ``cli`` whose ``sent`` and ``ok`` records never reach the store (``throughput.free_store``:
+  no intent wait, no SQLite, no writing process's work). What the intents, and the store, cost
+  a latency-bound crawl: ``1 - median(cli) / median(kind)``.
 
 The ideal is ``concurrency / latency`` requests per second (1,000 at 100 ms and 100 in flight):
 each figure is given as a share of it. The timed section is the crawl (for ``cli``: the whole
@@ -26,7 +31,7 @@ transport both ways).
 Usage::
 
     .venv/bin/python bench/latency.py [--ids 10000] [--latency 0.1] [--concurrency 100]
-        [--rounds 3] [--fsync-delay MS]
+        [--rounds 3] [--fsync-delay MS] [--intent-cost] [--store-cost]
 """
 
 from __future__ import annotations
@@ -71,8 +76,13 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         ok = asyncio.run(run_baseline(url, n, concurrency))
         elapsed = time.perf_counter() - t0
     else:
+        from throughput import FREE_STORE_CLI, NO_INTENT_CLI, free_store, skip_intents
+
         import asyncrawl.cli
 
+        if kind == NO_INTENT_CLI:
+            skip_intents()
+        dropped = free_store() if kind == FREE_STORE_CLI else None
         os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
         os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli-aiohttp" else "auto"
         cfg = write_job(work, url, n, concurrency)
@@ -81,7 +91,10 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         elapsed = time.perf_counter() - t0
         from asyncrawl.store import read_store
 
-        ok = read_store(work / "state").snapshot().counts.ok if code == 0 else 0
+        if dropped is not None:  # (exit 6: the store kept no ok to settle the IDs with)
+            ok = dropped[0] if code == 6 else 0
+        else:
+            ok = read_store(work / "state").snapshot().counts.ok if code == 0 else 0
     if ok != n:
         raise SystemExit(f"{kind}: {ok} of {n} ok")
     return n / elapsed
@@ -99,12 +112,16 @@ def main() -> int:
     ap.add_argument("--fsync-delay", type=float, default=0.0, metavar="MS",
                     help="make every fsync of the crawls take MS ms longer (a network volume; "
                          "bench/slowsync.c, needs a C compiler)")
+    ap.add_argument("--intent-cost", action="store_true",
+                    help="add cli-no-intent: cli with the durable sent record switched off")
+    ap.add_argument("--store-cost", action="store_true",
+                    help="add cli-free-store: cli whose sent and ok records skip the store")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps({"rps": worker(args.worker, args.url, args.ids, args.concurrency,
                                         Path(args.work))}))
         return 0
-    from throughput import compile_package
+    from throughput import FREE_STORE_CLI, NO_INTENT_CLI, compile_package
 
     from asyncrawl.testing import MockProcess, read_log, requests_by_id
 
@@ -117,6 +134,7 @@ def main() -> int:
     except ImportError:
         print("the fast extra is not installed (pip install 'asyncrawl[fast]'): no cli-uvloop",
               file=sys.stderr)
+    kinds += [NO_INTENT_CLI] * args.intent_cost + [FREE_STORE_CLI] * args.store_cost
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
     body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer
@@ -149,7 +167,7 @@ def main() -> int:
                 cycle = args.concurrency * span / args.ids * 1000
                 server = statistics.mean(served) * 1000
                 client[kind].append(cycle - server)
-                print(f"  round {rnd} {kind:<11} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal; "
+                print(f"  round {rnd} {kind:<14} {rps:7.0f} req/s  {rps / ideal:.1%} of ideal; "
                       f"first request to last answer {args.ids / span:7.0f} req/s; a cycle "
                       f"{cycle:.2f} ms: the mock {server:.2f}, the client's side "
                       f"{cycle - server:.2f}", file=sys.stderr)
@@ -158,9 +176,14 @@ def main() -> int:
           f"ideal {ideal:,.0f} req/s")
     for kind in kinds:
         med = statistics.median(got[kind])
-        print(f"median {kind:<11} {med:7.0f} req/s   {med / ideal:.1%} of ideal; first request "
+        print(f"median {kind:<14} {med:7.0f} req/s   {med / ideal:.1%} of ideal; first request "
               f"to last answer {statistics.median(body[kind]):7.0f} req/s; the client's side "
               f"of a cycle {statistics.median(client[kind]):.2f} ms")
+    for kind, what in ((NO_INTENT_CLI, "the intents"), (FREE_STORE_CLI, "the store")):
+        if kind in got:
+            cost = 1 - statistics.median(got["cli"]) / statistics.median(got[kind])
+            print(f"what {what} cost this crawl = 1 - median(cli) / median({kind}) = "
+                  f"{cost:+.1%}")
     return 0
 
 
