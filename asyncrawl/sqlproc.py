@@ -57,7 +57,9 @@ if TYPE_CHECKING:  # (``status`` and ``export`` import this module, not asyncio)
 INTENTS = "intents.log"
 CUT_AT = 4 << 20  # bytes of intent log after which it is emptied, once all of it is applied
 PIPE_BYTES = 1 << 20  # the pipes' size, where the system allows it (Linux)
-MERGE = 64  # batches queued in the pipe that the child applies in one transaction, at most
+MERGE = 1024  # batches queued in the pipe that the child applies in one transaction, at most
+# (the writer's backlog gate, ``writer.BACKLOG``, bounds what they hold: ~1,024 records
+# and a few for each request in flight)
 LOGGED = frozenset({"sent", "run"})  # the kinds of record durable once in the intent log
 LOG, APPLY = "logged", "applied"  # the child's two answers: (what, number, error)
 _LEN = struct.Struct("<Q")

@@ -17,10 +17,11 @@ To SETTLE is to queue the ID's outcome record for the writer and note it in the 
 intent is committed (a shared job's store may refuse it: another process holds the ID now,
 this one stalled past its lease, and then the ID is left to that process, not sent), then
 the request passes the governor's bucket a second time as it leaves (``Governor.leave``: the
-wait for the intent does not bunch requests up). An intent committed for a request that
-then does not leave (the job stopped meanwhile, or the governor holds it back now: a pause,
-the breaker, its key refused) is taken back (``unsent``): the state counts the calls that
-left.
+wait for the intent does not bunch requests up). A worker takes no new ID while the writer is
+``behind`` (a slow store: what a crash could cost of the answered results stays bounded). An
+intent committed for a request that then does not leave (the job stopped meanwhile, or the
+governor holds it back now: a pause, the breaker, its key refused) is taken back (``unsent``):
+the state counts the calls that left.
 
 The worker talks only to what is below it: the queue, the governor, the fetcher, the writer,
 and the two plain objects its owner reads (``Ledger``, ``Stop``).
@@ -235,6 +236,10 @@ class Sink(Protocol):
 
     def commit(self, record: Record) -> Awaitable[Commit]: ...
 
+    def behind(self) -> bool: ...
+
+    def caught_up(self) -> Awaitable[None]: ...
+
 
 def outcome_record(item: Item, attempt: Attempt, kind: str, *, permanent: bool, pass_no: int,
                    keep_data: bool, error: str | None = None) -> Record:
@@ -306,7 +311,11 @@ class Worker:
         limited_budget = budget.limit is not None
         stopped = stop.event.is_set  # (looked up once: asked three times a request)
         hooked = self.fetcher.request_for is not None
+        sink = self.sink
         while not stopped():
+            if sink.behind():  # no new request until the store catches up: what a crash
+                await sink.caught_up()  # loses of what was answered stays bounded (SPEC §5)
+                continue
             item = queue.get_nowait() or await queue.get()
             held[id(item)] = item
             ticket = gov.ready() or await gov.acquire()

@@ -22,10 +22,18 @@ from .errors import StorageError
 from .records import Commit, Record
 from .store import Store
 
+# Records queued and not yet reported past which a worker starts no new request until the
+# store has caught up (to half of it): what a crash can lose of what was answered stays within
+# ``concurrency`` plus this, however slow the store (SPEC §5), instead of growing with the time
+# a slow disk or a starved writing process falls behind (bench/README.md, stop 45).
+BACKLOG = 1024
+
 
 class _Reporting:
     """What both writers keep of what they report: ``on_commit`` for each durable part,
-    ``on_error`` once, their counts, and a bug of ``on_commit`` to raise in ``run``."""
+    ``on_error`` once, their counts, a bug of ``on_commit`` to raise in ``run``, and the
+    backlog (records queued and not yet reported durable or failed) that ``behind`` and
+    ``caught_up`` gate new requests on."""
 
     def __init__(self, on_commit: Callable[[list[Record]], None],
                  on_error: Callable[[StorageError], None]) -> None:
@@ -34,7 +42,32 @@ class _Reporting:
         self.failed: StorageError | None = None
         self.commits = 0
         self.written = 0
+        self.backlog = 0  # records queued, not yet reported (the event loop's thread counts)
+        self.backlog_limit = BACKLOG
+        self._waiting: list[asyncio.Future[None]] = []  # ``caught_up`` callers
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
+
+    def behind(self) -> bool:
+        """Whether the store is so far behind that no new request should start."""
+        return self.backlog >= self.backlog_limit
+
+    async def caught_up(self) -> None:
+        """Wait until the backlog is down to half the limit (or the writer failed: nothing
+        more is written, and the caller hears of it from its next ``commit``)."""
+        while self.backlog > self.backlog_limit // 2 and self.failed is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting.append(fut)
+            await fut
+
+    def _reported(self, n: int) -> None:
+        """``n`` queued records were reported (durable or failed): off the backlog."""
+        self.backlog -= n
+        if self._waiting and (self.backlog <= self.backlog_limit // 2
+                              or self.failed is not None):
+            waiting, self._waiting = self._waiting, []
+            for fut in waiting:
+                if not fut.done():
+                    fut.set_result(None)
 
     def _count(self, records: list[Record]) -> None:
         """``records`` are durable (their futures resolved): count them, tell ``on_commit``."""
@@ -98,6 +131,7 @@ class Writer(_Reporting):
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks; the writer batches what accumulates)."""
+        self.backlog += 1
         self._queue.put((record, None))
 
     def commit(self, record: Record) -> asyncio.Future[Commit]:
@@ -107,6 +141,7 @@ class Writer(_Reporting):
         if self.failed is not None:
             fut.set_result(Commit.FAILED)
         else:
+            self.backlog += 1
             self._queue.put((record, fut))
             self._asked += 1
             if self._napping:  # (only when needed: the thread is woken, the GIL asked for)
@@ -240,6 +275,7 @@ class Writer(_Reporting):
               refused: frozenset[str]) -> None:
         if error is not None:
             self.on_error(error)
+        self._reported(len(batch))
         if refused:  # (a shared job, after this process stalled past its leases: rare)
             kept = []
             for rec, fut in batch:
@@ -302,6 +338,7 @@ class ProcessWriter(_Reporting):
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks)."""
+        self.backlog += 1
         self._batch.append((record, None))
         if not self._due and self._loop is not None:
             self._due = True
@@ -314,6 +351,7 @@ class ProcessWriter(_Reporting):
         if self.failed is not None:
             fut.set_result(Commit.FAILED)
             return fut
+        self.backlog += 1
         self._batch.append((record, fut))
         if not self._due and self._loop is not None:
             self._due = True
@@ -349,6 +387,7 @@ class ProcessWriter(_Reporting):
         batch, self._batch = self._batch, []
         if batch and self.failed is not None:
             _answer(batch, Commit.FAILED)
+            self._reported(len(batch))
         elif batch:
             seq = self.proc.send(rec for rec, _ in batch)
             logged = [e for e in batch if e[0].kind in self._logged]
@@ -377,6 +416,7 @@ class ProcessWriter(_Reporting):
         if not entries:
             return
         _answer(entries, Commit.DURABLE)
+        self._reported(len(entries))
         self._count([e[0] for e in entries])
 
     def _fail(self, error: StorageError) -> None:
@@ -390,6 +430,7 @@ class ProcessWriter(_Reporting):
             _answer(self._to_apply.popleft()[1], Commit.FAILED)
         batch, self._batch = self._batch, []
         _answer(batch, Commit.FAILED)
+        self._reported(self.backlog)  # (all of it, queued or sent: none is durable)
         self._check_idle()
 
     def _check_idle(self) -> None:

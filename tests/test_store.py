@@ -719,6 +719,56 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
     assert w.commits == 2
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+async def test_a_writer_behind_its_backlog_holds_new_requests_until_it_catches_up(
+        tmp_path: Path, kind: str) -> None:
+    """Records queued and not yet reported count as the writer's backlog; at its limit the
+    writer is ``behind`` (the workers start no new request), and ``caught_up`` returns once
+    the store has made it durable down to half the limit. A failed writer holds nobody."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    w: Writer | ProcessWriter = (
+        ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=print) if kind == "process"
+        else Writer(store, on_commit=lambda b: None, on_error=print, linger=0.0, hold=0.0))
+    w.backlog_limit = 4
+    w.put(Record("run", ts=TS, extra={"job": JOB}))
+    for item in "abc":  # (the process writer sends nothing before it runs; the thread's
+        w.put(Record.sent(item))  # writer is not started yet either)
+    assert (w.backlog, w.behind()) == (4, True)
+    waiter = asyncio.create_task(w.caught_up())
+    await asyncio.sleep(0)
+    assert not waiter.done()  # nothing is durable yet
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(waiter, 30)
+    assert w.backlog <= 2 and not w.behind()
+    w.put(Record("ok", "a", status=200, raw=b"{}", paid=1, ts=TS))
+    w.close()
+    await task
+    await store.close()
+    assert w.backlog == 0
+    assert outcomes_of(state) == {"a": "ok"} and sends_of(state) == {"a": 1, "b": 1, "c": 1}
+
+
+async def test_a_failed_writer_has_no_backlog_and_holds_nobody(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    store = await open_store(state)
+    w = ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=lambda e: None)
+    w.backlog_limit = 2
+    task = asyncio.create_task(w.run())
+    assert await w.commit(Record("run", ts=TS, extra={"job": JOB})) is Commit.DURABLE
+    store.process._proc.kill()  # type: ignore[attr-defined]
+    w.put(Record("ok", "a", status=200, raw=b"{}", paid=1, ts=TS))
+    w.put(Record("ok", "b", status=200, raw=b"{}", paid=1, ts=TS))
+    assert await asyncio.wait_for(w.commit(Record.sent("c")), 30) is Commit.FAILED
+    await asyncio.wait_for(w.caught_up(), 30)  # (returns: nothing more will be written)
+    assert w.backlog == 0 and not w.behind()
+    w.close()
+    await task
+    await store.close()
+
+
 async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) -> None:
     """``ok`` results nobody waits for are held back (here for as long as the test runs) while
     the intents that requests wait for are committed one batch after another without them;
