@@ -32,15 +32,11 @@ sys.path.insert(0, str(BENCH))
 
 
 def worker(url: str, n: int, concurrency: int, delay: float, work: Path) -> dict[str, float]:
-    """One crawl in this (fresh) process, its store slowed by ``delay`` a transaction."""
-    from throughput import preimport
+    """One crawl in this (fresh) process (``latency.worker``'s ``cli``), its store slowed by
+    ``delay`` a transaction."""
+    from latency import worker as crawl
 
-    preimport("cli")
-    from latency import write_job
-
-    import asyncrawl.cli
     from asyncrawl import sqlstore, writer
-    from asyncrawl.store import read_store
 
     apply = sqlstore.SqliteStore.apply_batch
 
@@ -58,14 +54,7 @@ def worker(url: str, n: int, concurrency: int, delay: float, work: Path) -> dict
         peak[0] = max(peak[0], waiting)
 
     writer.ProcessWriter._flush = watched  # type: ignore[method-assign]
-    cfg = write_job(work, url, n, concurrency)
-    t0 = time.perf_counter()
-    code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
-    elapsed = time.perf_counter() - t0
-    ok = read_store(work / "state").snapshot().counts.ok if code == 0 else 0
-    if ok != n:
-        raise SystemExit(f"{ok} of {n} ok (exit {code})")
-    return {"rps": n / elapsed, "peak": peak[0]}
+    return {"rps": crawl("cli", url, n, concurrency, work), "peak": peak[0]}
 
 
 def main() -> int:

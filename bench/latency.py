@@ -76,15 +76,11 @@ def worker(kind: str, url: str, n: int, concurrency: int, work: Path) -> float:
         ok = asyncio.run(run_baseline(url, n, concurrency))
         elapsed = time.perf_counter() - t0
     else:
-        from throughput import FREE_STORE_CLI, NO_INTENT_CLI, free_store, skip_intents
+        from throughput import as_kind
 
         import asyncrawl.cli
 
-        if kind == NO_INTENT_CLI:
-            skip_intents()
-        dropped = free_store() if kind == FREE_STORE_CLI else None
-        os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
-        os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli-aiohttp" else "auto"
+        dropped = as_kind(kind)
         cfg = write_job(work, url, n, concurrency)
         t0 = time.perf_counter()
         code = asyncrawl.cli.main(["run", "-c", str(cfg), "--no-progress"])
@@ -134,7 +130,10 @@ def main() -> int:
     except ImportError:
         print("the fast extra is not installed (pip install 'asyncrawl[fast]'): no cli-uvloop",
               file=sys.stderr)
-    kinds += [NO_INTENT_CLI] * args.intent_cost + [FREE_STORE_CLI] * args.store_cost
+    if args.intent_cost:
+        kinds.append(NO_INTENT_CLI)
+    if args.store_cost:
+        kinds.append(FREE_STORE_CLI)
     ideal = args.concurrency / args.latency
     got: dict[str, list[float]] = {k: [] for k in kinds}
     body: dict[str, list[float]] = {k: [] for k in kinds}  # first request to last answer

@@ -190,6 +190,18 @@ def skip_intents() -> None:
         cls.commit = no_intent  # type: ignore[method-assign]
 
 
+def as_kind(kind: str) -> list[int] | None:
+    """In this worker process, what ``kind`` changes of ``asyncrawl run``: the intents
+    skipped (``no-intent``), the store skipped (``free-store``: returns ``free_store``'s
+    count), and the loop and HTTP client: asyncio's and asyncrawl's (a plain install) unless
+    the kind says otherwise: cli-aiohttp aiohttp's client, cli-uvloop the fast extra."""
+    if kind == NO_INTENT_CLI:
+        skip_intents()
+    os.environ["ASYNCRAWL_LOOP"] = "uvloop" if kind == "cli-uvloop" else "asyncio"
+    os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if kind == "cli-aiohttp" else "auto"
+    return free_store() if kind == FREE_STORE_CLI else None
+
+
 def free_store() -> list[int]:
     """In this worker process only: the ``sent`` and ``ok`` records are durable the moment the
     run's writer sends its batch, and never reach the SQLite store (what the store costs a
@@ -252,13 +264,7 @@ def worker_main(args: argparse.Namespace) -> int:
                                      intent=args.worker != NO_INTENT)
         return ok, time.perf_counter() - t0, time.process_time() - cpu0
 
-    if args.worker == NO_INTENT_CLI:
-        skip_intents()
-    dropped = free_store() if args.worker == FREE_STORE_CLI else None
-    # asyncio's loop and asyncrawl's HTTP client (a plain install) unless the kind says
-    # otherwise: cli-aiohttp aiohttp's client, cli-uvloop the fast extra (uvloop's loop)
-    os.environ["ASYNCRAWL_LOOP"] = "uvloop" if args.worker == "cli-uvloop" else "asyncio"
-    os.environ["ASYNCRAWL_HTTP"] = "aiohttp" if args.worker == "cli-aiohttp" else "auto"
+    dropped = as_kind(args.worker)
     if args.worker in ("cli", "cli-aiohttp", NO_INTENT_CLI, FREE_STORE_CLI, "cli-uvloop"):
         argv = cli_files(args.url, args.requests, args.concurrency, args.state_dir)
         cpu0, t0 = time.process_time(), time.perf_counter()
