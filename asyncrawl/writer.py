@@ -48,8 +48,12 @@ class _Reporting:
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
 
     def behind(self) -> bool:
-        """Whether the store is so far behind that no new request should start."""
-        return self.backlog >= self.backlog_limit
+        """Whether the store is so far behind that no new request should start. Never once
+        the writer has failed: ``caught_up`` would not wait then, and a worker that asked
+        again would spin without ever letting the loop report the failure (the thread's
+        writer marks itself failed before the loop hears of it); it hears of it from its
+        next ``commit`` instead."""
+        return self.failed is None and self.backlog >= self.backlog_limit
 
     async def caught_up(self) -> None:
         """Wait until the backlog is down to half the limit (or the writer failed: nothing

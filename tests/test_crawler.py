@@ -8,6 +8,7 @@ import collections
 import contextlib
 import io
 import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -925,3 +926,50 @@ async def test_a_rerun_of_ids_that_were_forbidden_before_does_not_halt(state: Pa
             async with Crawler(cfg) as c:
                 s = await c.run(ids)
             assert (s.halt, s.ok, s.failed, s.exit_code) == (None, 50, 30, 6), s
+
+
+async def test_workers_take_no_new_id_while_the_store_is_behind(
+        state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the state's writes held up (another connection holds the database's write lock:
+    the intents are still logged, the results are not applied), the workers stop taking IDs
+    once the writer's backlog reaches its limit, so the answered results a crash would cost
+    stay within ``concurrency`` plus that limit (SPEC §5); once the store catches up the crawl
+    goes on, and every ID is fetched once."""
+    from asyncrawl import writer as writer_mod
+
+    limit, concurrency, n = 8, 4, 300
+    monkeypatch.setattr(writer_mod, "BACKLOG", limit)
+    made: list[Any] = []  # the run's writer
+    init = writer_mod._Reporting.__init__
+
+    def noted(self: Any, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(writer_mod._Reporting, "__init__", noted)
+    ids = [f"i{k}" for k in range(n)]
+    async with MockAPI(api_key=KEY) as api:
+        async with Crawler(fast_config(api, state, concurrency=concurrency)) as crawler:
+            crawl = asyncio.create_task(crawler.run(ids))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not (state / "state.db").exists() or not db_rows(state, "SELECT 1 FROM items "
+                                                                   "WHERE state = 'ok'"):
+                assert loop.time() < deadline and not crawl.done()
+                await asyncio.sleep(0.005)
+            db = sqlite3.connect(state / "state.db", timeout=30, isolation_level=None)
+            db.execute("BEGIN IMMEDIATE")  # the writing process applies nothing meanwhile
+            try:
+                applied = db.execute("SELECT count(*) FROM items WHERE state = 'ok'").fetchone()[0]
+                (w,) = made
+                while len(w._waiting) < concurrency:  # every worker waits for the store
+                    assert loop.time() < deadline and len(api.starts()) < n, len(api.starts())
+                    await asyncio.sleep(0.005)
+                started = len(api.starts())
+                assert started < n and len(api.paid()) - applied <= concurrency + limit
+            finally:
+                db.execute("ROLLBACK")
+                db.close()
+            summary = await asyncio.wait_for(crawl, 60)
+        starts = api.starts()
+    assert summary.ok == n and len(starts) == n and set(starts) == set(ids)

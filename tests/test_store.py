@@ -769,6 +769,29 @@ async def test_a_failed_writer_has_no_backlog_and_holds_nobody(tmp_path: Path) -
     await store.close()
 
 
+async def test_a_thread_writer_that_failed_holds_nobody_before_the_loop_hears_of_it() -> None:
+    """The thread's writer marks itself failed before the event loop hears of it (``on_error``,
+    which stops the run). In between, a writer at its backlog limit is not ``behind``: a worker
+    would otherwise ask ``caught_up`` (which does not wait for a failed writer) again and again
+    without ever letting the loop run, and the run would hang at 100 % CPU."""
+    errors: list[StorageError] = []
+    w = Writer(FailingStore(fail_at=1), on_commit=lambda b: None,  # type: ignore[arg-type]
+               on_error=errors.append, linger=0.0, hold=0.0)
+    w.backlog_limit = 2
+    task = asyncio.create_task(w.run())
+    await asyncio.sleep(0)  # (the writer's thread starts)
+    for rec in RECORDS[:3]:
+        w.put(rec)
+    w.close()
+    assert w._thread is not None
+    w._thread.join(30)  # (blocking the loop on purpose: it is not told of the failure yet)
+    assert w.failed is not None and not errors and w.backlog >= w.backlog_limit
+    assert not w.behind()
+    await asyncio.wait_for(w.caught_up(), 30)
+    await task
+    assert len(errors) == 1 and w.backlog == 0
+
+
 async def test_writer_holds_results_back_while_intents_go_alone(tmp_path: Path) -> None:
     """``ok`` results nobody waits for are held back (here for as long as the test runs) while
     the intents that requests wait for are committed one batch after another without them;
