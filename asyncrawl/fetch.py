@@ -690,8 +690,9 @@ INCURABLE = {
     ErrorKind.DNS: "check the host name of [request] url (or --url), and the machine's DNS",
     ErrorKind.PROXY: "check [request] proxy (or --proxy), or the HTTP_PROXY / HTTPS_PROXY / "
                      "NO_PROXY environment variables, which asyncrawl follows like curl",
-    ErrorKind.TLS: "if the server uses a private CA, add it with [request] ca_bundle; check the "
-                   "host name of [request] url",
+    ErrorKind.TLS: "check the scheme and host name of [request] url (https:// to a server that "
+                   "speaks plain HTTP fails so); if the server uses a private CA, add it with "
+                   "[request] ca_bundle",
 }
 # Skip-class answers that, given for every request from the first on, say the job cannot work
 # (not that those IDs are missing): what to fix. ``run`` halts on them (``REFUSED_AFTER``).
@@ -711,7 +712,15 @@ def _connect_error(e: aiohttp.ClientConnectorError) -> tuple[ErrorKind, str]:
         return ErrorKind.DNS, f"name {e.host} does not resolve"
     if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:
         return ErrorKind.REFUSED, f"connection refused to {e.host}:{e.port}"
+    if isinstance(err, ssl.SSLError) and not isinstance(err, _SSL_CUT_OFF):
+        # the two ends do not speak TLS alike: https:// to a plain-HTTP port (wrong version
+        # number), no protocol version or cipher in common; not a connection cut short
+        return ErrorKind.TLS, f"TLS handshake with {e.host}:{e.port} failed ({_describe(err)})"
     return ErrorKind.NETWORK, _describe(e)
+
+
+# a handshake cut off (the peer closed or reset it): as a dropped connection, not a TLS error
+_SSL_CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 def _describe(e: BaseException) -> str:

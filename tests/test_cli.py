@@ -1090,6 +1090,25 @@ def test_an_error_waiting_cannot_cure_stops_the_job_at_once_with_the_fix(
     assert s["halt"]["reason"] == "unreachable" and s["ok"] == 0
 
 
+def test_https_to_a_plain_http_port_stops_the_job_at_once_with_the_fix(
+        tmp_path: Path, mock_process: Any) -> None:
+    """A TLS handshake that fails (here the server speaks plain HTTP) on the first requests is
+    a mistake in the URL, not an outage: exit 2 with the fix, the IDs not given up on (before:
+    minutes of retries, every ID recorded unavailable, exit 0)."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    url = mock.item_url.replace("http://", "https://")
+    cfg = write_config(tmp_path / "c.toml", url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"u{i}" for i in range(50)]))
+    for client in ("auto", "aiohttp"):  # (asyncrawl's own client, then aiohttp's)
+        r = cli("run", "-c", str(cfg), "--no-progress", env={**ENV, "ASYNCRAWL_HTTP": client},
+                timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert "TLS handshake with 127.0.0.1" in r.stderr and "https://" in r.stderr, r.stderr
+        s = status_json(cfg)
+        assert s["halt"]["reason"] == "unreachable"
+        assert (s["ok"], s["failed"], s["unavailable"]) == (0, 0, 0)
+
+
 def test_error_lines_count_every_attempt_not_every_id(tmp_path: Path, mock_process: Any) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "demo")
     gone = ids_of("gone", 4)  # always 500
