@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ._version import __version__
-from .config import UNUSED_URL, Config, expand_env, is_url
+from .config import UNUSED_URL, Config, check_job, expand_env, is_url
 from .errors import AsyncrawlError, ConfigError, InputError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, SETTLED
@@ -315,8 +315,12 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
     import logging.handlers
 
     # WatchedFileHandler reopens the file when logrotate moves it away
-    handler: logging.Handler = (logging.handlers.WatchedFileHandler(log_file, encoding="utf-8")
-                                if log_file else _Console(sys.stderr))
+    try:
+        handler: logging.Handler = (logging.handlers.WatchedFileHandler(log_file,
+                                                                        encoding="utf-8")
+                                    if log_file else _Console(sys.stderr))
+    except OSError as e:  # (a missing directory, a directory, no permission: before any work)
+        raise ConfigError(f"cannot open {log_file}: {e.strerror or e}", key="--log-file") from None
     handler.setFormatter(_JsonFormatter(config) if fmt == "json"
                          else logging.Formatter("asyncrawl: %(levelname)s: %(message)s"))
     handler.addFilter(_Redact(config))
@@ -545,6 +549,8 @@ def _dry_run(config: Config, ids_path: str) -> int:
     from .store import read_store
 
     store = read_store(config.state, missing_ok=True, job=config.job)
+    if store is not None:  # (another job's state: its run would refuse it, and so does this)
+        check_job(config, store.job)
 
     async def count() -> tuple[int, int, int]:
         seen = SeenIds()  # on disk: flat memory for any length of list
@@ -595,7 +601,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .report import export
 
     config = load_config(args, need_env=False, need_url=False)
-    fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+    fields = None
+    if args.fields is not None:
+        fields = [f.strip() for f in args.fields.split(",")]
+        if not all(fields):
+            raise ConfigError(f"an empty name in {args.fields!r}: give the columns as a,b,...",
+                              key="--fields")
+        if len(set(fields)) < len(fields):
+            twice = next(f for f in fields if fields.count(f) > 1)
+            raise ConfigError(f"{twice!r} is given twice", key="--fields")
     export(config, outcome=args.outcome, fmt=args.format, fields=fields,
            out=sys.stdout, path=args.output)
     return 0
@@ -610,6 +624,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .source import prescan_file
     from .testing import MockAPI, demo_faults
 
+    for flag, value in (("--ids", args.ids), ("--rate", args.rate),
+                        ("--concurrency", args.concurrency)):
+        if not value > 0:  # (before anything is made: nan too)
+            raise ConfigError(f"must be greater than 0, got {value:g}", key=flag)
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
     ids_file = Path(state) / "demo-ids.txt"
     # A demo's state again (its IDs file is there): it resumes, though its mock API listens on

@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import quote, quote_plus, urlsplit
 
-from .errors import ConfigError
+from .errors import ConfigError, JobMismatch
 
 log = logging.getLogger("asyncrawl")
 
@@ -647,6 +647,9 @@ def _check_values(c: Config) -> None:
         raise bad("method", f"must be GET, POST, HEAD, PUT or PATCH; got {c.method!r}")
     if c.proxy is not None and not c.proxy.startswith(("http://", "https://")):
         raise bad("proxy", f"must be an http:// or https:// URL, got {c.redact(c.proxy)!r}")
+    if c.webhook is not None and not _is_http_url(c.webhook):  # (found now, not at a halt)
+        raise bad("webhook", "must be an http:// or https:// URL with a host (not shown: "
+                  "a webhook's URL is a secret)")
     if c.json is not None and c.body is not None:
         raise bad("body", "give [request] json or [request] body, not both")
     if c.json is not None and not isinstance(c.json, Mapping | list | tuple):
@@ -788,3 +791,43 @@ def endpoint_of(url: str) -> str:
     except ValueError:
         port = None
     return f"{host}{f':{port}' if port else ''}{parts.path or '/'}"
+
+
+def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
+    """Refuse a state made by another job: its settled IDs would be skipped, and the new job
+    would fetch nothing and say it had finished."""
+    now = cfg.job_identity()
+    if job is None or cfg.reuse_state:
+        return
+    job = _as_redacted_now(cfg, job)
+    if job == now:
+        return
+    keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
+    raise JobMismatch(
+        f"the state {cfg.state_shown} belongs to another job ("
+        + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
+        + ", ".join(f"{k} {now[k]!r}" for k in keys)
+        + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
+        "address what the old job had not settled and keep what it had, pass --reuse-state "
+        "([state] reuse = true)")
+
+
+def _as_redacted_now(cfg: Config, job: dict[str, Any]) -> dict[str, Any]:
+    """A stored job identity with what ``cfg`` holds secret now redacted as it would be (a
+    state written when fewer parameter names counted as secret kept such values in clear)."""
+    params = job.get("params")
+    fixed = {**job}
+    if isinstance(job.get("url"), str):
+        fixed["url"] = cfg.redact(job["url"])
+    if isinstance(params, dict):
+        fixed["params"] = {k: "***" if cfg.is_secret_param(k) else v for k, v in params.items()}
+    return fixed
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        return parts.scheme in ("http", "https") and bool(parts.hostname) and (
+            parts.port is None or parts.port > 0)
+    except ValueError:  # (a port that is not a number, a bad IPv6 literal)
+        return False

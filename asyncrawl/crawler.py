@@ -17,10 +17,10 @@ from collections.abc import AsyncIterable, Callable, Iterable
 import aiohttp
 
 from . import http1
-from .config import Config
+from .config import Config, check_job
 from .errors import AsyncrawlError
 from .fetch import RESEND_WARNING, Classifier, Request, new_session, resends_silently
-from .run import Hooks, Run, check_job
+from .run import Hooks, Run
 from .source import IdsFile, id_chunks, prescan_file
 from .store import open_store
 from .types import Halt, Progress, Result, Summary

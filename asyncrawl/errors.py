@@ -22,6 +22,7 @@ import errno
 import importlib
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +106,14 @@ def temp_beside(target: Path) -> tuple[int, str]:
     new file's (0666 less the umask, as a shell's ``>`` makes it), not ``mkstemp``'s 0600.
     ``output_error`` if it cannot be made."""
     try:
-        mode = os.stat(target).st_mode & 0o777
+        st = os.stat(target)
     except OSError:
         mode = None
+    else:
+        if stat.S_ISDIR(st.st_mode):  # (found now, not at the rename after the whole export)
+            raise output_error(IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR)),
+                               target)
+        mode = st.st_mode & 0o777
     while True:
         tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}"
         try:

@@ -367,7 +367,14 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
                 writer = csv.writer(out)
                 writer.writerow(cols)
             writer.writerow([_cell(_get(row, c)) for c in cols])
+    if fmt == "csv" and writer is None:  # no rows: still the header, for what reads it
+        csv.writer(out).writerow(fields or _COLUMNS.get(outcome, ["id"]))
     return n
+
+
+# the columns of each outcome's rows where they do not depend on the payloads (_plain, _records)
+_COLUMNS = {**{o: ["id", "refetched"] for o in _ID_LISTS}, "failed": ["id", "status", "error"],
+            "unavailable": ["id", "status", "error"]}
 
 
 PAYLOAD_ID = "data.id"  # the column of a payload's own ``id`` field: ``id`` is the crawled ID

@@ -37,7 +37,7 @@ import aiohttp
 from ._version import __version__
 from .alerts import send_alerts
 from .config import Config, key_fingerprint
-from .errors import JobMismatch, StorageError
+from .errors import StorageError
 from .fetch import INCURABLE, REFUSING, Attempt, Classifier, Fetcher, Outcome, Request, keep_reads_off_mmap
 from .governor import Breaker, Budget, Governor
 from .idqueue import IdQueue, Item, Parking
@@ -652,37 +652,6 @@ class Run:
                        retries=t.retries, requests=t.requests, billable=t.billable,
                        halt=self.stop.halt, elapsed=time.monotonic() - self.meter.started,
                        state_dir=store.location, unanswered=t.unanswered)
-
-
-def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
-    """Refuse a state made by another job: its settled IDs would be skipped, and the new job
-    would fetch nothing and say it had finished."""
-    now = cfg.job_identity()
-    if job is None or cfg.reuse_state:
-        return
-    job = _as_redacted_now(cfg, job)
-    if job == now:
-        return
-    keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
-    raise JobMismatch(
-        f"the state {cfg.state_shown} belongs to another job ("
-        + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
-        + ", ".join(f"{k} {now[k]!r}" for k in keys)
-        + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
-        "address what the old job had not settled and keep what it had, pass --reuse-state "
-        "([state] reuse = true)")
-
-
-def _as_redacted_now(cfg: Config, job: dict[str, Any]) -> dict[str, Any]:
-    """A stored job identity with what ``cfg`` holds secret now redacted as it would be (a
-    state written when fewer parameter names counted as secret kept such values in clear)."""
-    params = job.get("params")
-    fixed = {**job}
-    if isinstance(job.get("url"), str):
-        fixed["url"] = cfg.redact(job["url"])
-    if isinstance(params, dict):
-        fixed["params"] = {k: "***" if cfg.is_secret_param(k) else v for k, v in params.items()}
-    return fixed
 
 
 def _unavailable(item: str, tries: int, status: int | None, error: str | None, *,

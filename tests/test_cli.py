@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from asyncrawl import Config, ConfigError
 from asyncrawl.lockfile import lock_holder
 from asyncrawl.testing import LogEntry, demo_faults, flaky_faults, payload_for, read_log
 from asyncrawl.writer import Writer
@@ -983,6 +984,10 @@ def test_a_state_directory_refuses_another_job_unless_told(tmp_path: Path, mock_
     assert "belongs to another job" in r.stderr and "--reuse-state" in r.stderr
     assert "/items/{id}" in r.stderr and "/items/v2-{id}" in r.stderr
     assert len(read_log(mock.log_path)) == sent  # nothing sent
+    r = cli("run", "-c", str(other), "--dry-run", env=ENV)  # (not a count of the other job's)
+    assert r.returncode == 2 and "belongs to another job" in r.stderr, r.stdout + r.stderr
+    r = cli("run", "-c", str(other), "--dry-run", "--reuse-state", env=ENV)
+    assert r.returncode == 0 and "already done: 20" in r.stdout, r.stdout + r.stderr
     params = write_config(tmp_path / "c.toml", mock.item_url, state, idsf,
                           request__params={"lang": "de"})
     assert cli("run", "-c", str(params), "--no-progress", env=ENV).returncode == 2
@@ -1055,6 +1060,10 @@ def test_csv_fields_take_dotted_paths_and_an_unknown_field_is_an_error(
     r = cli("export", "-c", str(cfg), "--format", "csv", "--fields", "id,data.url", env=ENV)
     assert r.returncode == 2 and "'data.url'" in r.stderr and "title" in r.stderr, r.stderr
     assert r.stdout == ""
+    for fields, said in (("", "an empty name"), ("value,,id", "an empty name"),
+                         ("value,value", "'value' is given twice")):
+        r = cli("export", "-c", str(cfg), "--format", "csv", "--fields", fields, env=ENV)
+        assert r.returncode == 2 and f"--fields: {said}" in r.stderr and r.stdout == "", r.stderr
 
 
 def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -> None:
@@ -1067,6 +1076,18 @@ def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -
     write_config(cfg, "http://127.0.0.1:9/{id}", tmp_path / "s", idsf, limits={"rate": 0})
     r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
     assert r.returncode == 2 and "c.toml" in r.stderr and "limits.rate" in r.stderr, r.stderr
+    for flag, value in (("--ids", "-5"), ("--rate", "0"), ("--concurrency", "0")):
+        r = cli("demo", "--state", str(tmp_path / "demo"), flag, value, env=ENV)
+        assert r.returncode == 2 and f"{flag}: must be greater than 0" in r.stderr, r.stderr
+        assert not (tmp_path / "demo").exists()  # nothing made
+
+
+def test_a_webhook_that_is_not_an_http_url_is_a_config_error_that_does_not_show_it() -> None:
+    for hook in ("not a url", "ftp://h.example/x", "https://", "http://h.example:99999/x"):
+        with pytest.raises(ConfigError) as e:
+            Config(url="http://h.example/{id}", webhook=hook)
+        assert e.value.key == "alerts.webhook" and hook not in str(e.value)
+    assert Config(url="http://h.example/{id}", webhook="https://hooks.example/T0/x").webhook
 
 
 # -- a stuck job says why ---------------------------------------------------------------------
@@ -1088,6 +1109,15 @@ def test_an_error_waiting_cannot_cure_stops_the_job_at_once_with_the_fix(
     assert re.search(rf"errors +{re.escape(said)} × \d+", r.stdout), r.stdout
     s = status_json(cfg)
     assert s["halt"]["reason"] == "unreachable" and s["ok"] == 0
+
+
+@pytest.mark.parametrize("where", ["no-such-dir/run.log", "."])
+def test_a_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, where: str) -> None:
+    idsf = write_ids(tmp_path / "ids.txt", ["a"])
+    cfg = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/{id}", tmp_path / "s", idsf)
+    r = cli("run", "-c", str(cfg), "--log-file", str(tmp_path / where), env=ENV)
+    assert r.returncode == 2 and "--log-file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "s").exists()  # nothing begun
 
 
 def test_https_to_a_plain_http_port_stops_the_job_at_once_with_the_fix(

@@ -50,6 +50,19 @@ def test_csv_keeps_the_crawled_id_and_the_payload_s_own_id_beside_it(tmp_path: P
     assert sorted(rows[1:]) == [["slug-a", "7", "x"], ["slug-b", "8", "y"], ["slug-c", "", "z"]]
 
 
+@pytest.mark.parametrize(("outcome", "fields", "header"), [
+    ("failed", None, ["id", "status", "error"]),
+    ("in-doubt", None, ["id", "refetched"]),
+    ("ok", ["title"], ["id", "title"]),
+])
+def test_an_empty_csv_export_still_has_its_header(
+        tmp_path: Path, outcome: str, fields: list[str] | None, header: list[str]) -> None:
+    cfg = Config(url="http://unused/{id}", state_dir=str(settled_state(tmp_path / "state", [])))
+    out = io.StringIO()
+    assert export(cfg, outcome=outcome, fmt="csv", fields=fields, out=out) == 0
+    assert list(csv.reader(io.StringIO(out.getvalue()))) == [header]
+
+
 def test_parquet_keeps_the_crawled_id_and_the_payload_s_own_id_beside_it(
         tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")

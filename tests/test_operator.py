@@ -399,6 +399,9 @@ def test_export_to_a_missing_directory_is_a_clear_error(tmp_path: Path, mock_pro
     r = cli("export", "-c", str(cfg), "-o", str(target), env=ENV)
     # the flag's fault (exit 2, usage), not the state's (exit 5)
     assert r.returncode == 2 and str(target) in r.stderr and "Traceback" not in r.stderr
+    for fmt in ("jsonl", "parquet"):  # a directory: said before the export is made
+        r = cli("export", "-c", str(cfg), "--format", fmt, "-o", str(tmp_path), env=ENV)
+        assert r.returncode == 2 and "Is a directory" in r.stderr, r.stderr
     good = tmp_path / "out.jsonl"
     good.write_text("old\n")
     r = cli("export", "-c", str(cfg), "-o", str(good), env=ENV)

@@ -813,7 +813,7 @@ async def test_calls_per_api_key_in_a_shared_job(job: str) -> None:
 def test_of_two_first_runs_with_different_configs_the_second_is_refused(job: str) -> None:
     """The job's identity is claimed in one statement: the second first run sees the first's."""
     from asyncrawl import Config, JobMismatch
-    from asyncrawl.crawler import check_job
+    from asyncrawl.config import check_job
 
     a = Config(url="http://127.0.0.1:1/a/{id}", state_url=PG, job=job)
     b = Config(url="http://127.0.0.1:1/b/{id}", state_url=PG, job=job)

@@ -546,7 +546,7 @@ def test_the_job_check_still_sees_ordinary_parameters_and_resumes_states_of_befo
     their values, so a run with another value is another job. A state written while
     client_secret's value was kept in clear resumes with the same config."""
     from asyncrawl import JobMismatch
-    from asyncrawl.run import check_job
+    from asyncrawl.config import check_job
 
     def config(tokens: str, sort: str = "a") -> Config:
         return Config(url="http://h/items/{id}?client_secret=S3cretValue&page_token=p",
