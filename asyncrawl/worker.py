@@ -297,7 +297,7 @@ class Worker:
         self.idle = asyncio.Event()
         self.idle.set()
         self.requests = 0
-        self.retries = 0
+        self.retries = 0  # requests for an ID sent before in this pass
         self.unanswered = 0  # tries that may have reached the server, with no answer
         self.left = 0  # IDs left to another process of the job (``_leave``)
 
@@ -441,6 +441,8 @@ class Worker:
             item.sent = True
             if not item.suspect:
                 self.ledger.sent_first(item)
+        else:  # a retry: what a try is not charged for too (at the breaker's gate, another key)
+            self.retries += 1
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1
@@ -480,7 +482,6 @@ class Worker:
         if attempt.outcome is Outcome.RETRY:
             item.unusable += attempt.billable
         if action is Action.PARK:
-            self.retries += 1
             self.parking.park(item, verdict.delay)
             return
         rec = outcome_record(item, attempt, verdict.kind, permanent=verdict.permanent,

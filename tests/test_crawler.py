@@ -68,6 +68,8 @@ async def test_every_outcome_class_and_two_passes(state: Path) -> None:
     assert starts.count("gone") == 2 * cfg.max_tries
     assert starts.count("flaky") == 3
     assert starts.count("ok0") == 1
+    # every request beyond an ID's first in a pass is a retry (pass 2 rechecks nf, bad, gone)
+    assert (summary.requests, summary.retries) == (len(starts), len(starts) - len(ids) - 3)
 
 
 async def test_retry_after_is_honoured_in_both_forms(state: Path) -> None:
