@@ -217,7 +217,13 @@ class Config:
             raise ConfigError(f"cannot read config file: {e.__class__.__name__}", path=p) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"invalid TOML: {e}", path=p) from None
-        return cls.from_dict(doc, path=p, need_env=need_env, need_url=need_url, **overrides)
+        try:
+            return cls.from_dict(doc, path=p, need_env=need_env, need_url=need_url, **overrides)
+        except ConfigError as e:  # about a key of the file: its line too
+            line = _line_of(p, e.key) if e.path == str(p) and e.line is None else None
+            if line is None:
+                raise
+            raise ConfigError(e.message, key=e.key, path=p, line=line) from None
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any], *, path: Path | None = None, need_env: bool = True,
@@ -831,3 +837,35 @@ def _is_http_url(url: str) -> bool:
             parts.port is None or parts.port > 0)
     except ValueError:  # (a port that is not a number, a bad IPv6 literal)
         return False
+
+
+_TABLE = re.compile(r"\s*\[\s*([^\[\]]+?)\s*\]\s*(?:#.*)?$")
+
+
+def _line_of(path: Path, key: str | None) -> int | None:
+    """The line of ``path`` where ``key`` (``section.name``, or ``[section]``) is written, if
+    it is written plainly there (``name = ...`` under ``[section]``), else ``None``."""
+    if not key:
+        return None
+    if key.startswith("["):
+        table, name = key.strip("[]"), None
+    elif "." in key:
+        table, name = key.split(".", 1)
+    else:
+        return None
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    current = ""
+    for number, text in enumerate(lines, 1):
+        header = _TABLE.match(text)
+        if header:
+            current = header.group(1).replace('"', "").replace(" ", "")
+            if current == (table if name is None else f"{table}.{name}"):
+                return number  # ([section], or a key that is a table: [request.headers])
+            continue
+        if name is not None and current == table and re.match(
+                rf'\s*"?{re.escape(name)}"?\s*=', text):
+            return number
+    return None

@@ -38,12 +38,15 @@ class ConfigError(AsyncrawlError):
 
     exit_code = 2
 
-    def __init__(self, message: str, *, key: str | None = None, path: Path | str | None = None):
+    def __init__(self, message: str, *, key: str | None = None, path: Path | str | None = None,
+                 line: int | None = None):
+        self.message = message
         self.key = key
         self.path = str(path) if path is not None else None
+        self.line = line  # of the key in the file, where it was found
         where = []
         if self.path:
-            where.append(self.path)
+            where.append(self.path if line is None else f"{self.path}:{line}")
         if key:
             where.append(key)
         super().__init__(f"{': '.join(where)}: {message}" if where else message)

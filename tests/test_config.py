@@ -320,6 +320,21 @@ def test_missing_file_names_file(tmp_path: Path) -> None:
     assert str(tmp_path / "nope.toml") in str(e.value)
 
 
+@pytest.mark.parametrize(("body", "where"), [
+    ('[request]\nurl = "URL"\n\n[limits]\nconcurrency = 8\nrate = -5  # per second\n',
+     ":6: limits.rate: must be greater than 0"),
+    ('[request]\nurl = "URL"\n[ limits ]\n  "burst" = 0\n', ":4: limits.burst:"),
+    ('[request]\nurl = "URL"\n[limit]\nrate = 1\n', ":3: [limit]: unknown section"),
+    ('[request]\nurl = "URL"\nretries = 3\n', ":3: request.retries: unknown key"),
+    ('[request]\nurl = "URL"\n[request.headers]\nX = [1]\n', ":3: request.headers:"),
+])
+def test_an_error_in_the_file_names_its_line(tmp_path: Path, body: str, where: str) -> None:
+    p = write(tmp_path, body.replace("URL", URL))
+    with pytest.raises(ConfigError) as e:
+        Config.load(p)
+    assert str(e.value).startswith(f"{p}{where}"), str(e.value)
+
+
 def test_overrides_win_and_are_validated(tmp_path: Path) -> None:
     p = write(tmp_path, f'[request]\nurl = "{URL}"\n[limits]\nrate = 5\n')
     assert Config.load(p, rate=7.0, concurrency=None).rate == 7.0
