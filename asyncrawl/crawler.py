@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterable, Callable, Iterable
 
@@ -18,7 +19,7 @@ import aiohttp
 
 from . import http1
 from .config import Config, check_job
-from .errors import AsyncrawlError
+from .errors import ConfigError
 from .fetch import RESEND_WARNING, Classifier, Request, new_session, resends_silently
 from .run import Hooks, Run
 from .source import IdsFile, id_chunks, prescan_file
@@ -48,7 +49,11 @@ class Crawler:
             durable: ``on_result`` without the ok ones (without ``on_result``, no ``Result``
             is made for an ok ID, and its parsed payload is not kept for it).
         on_progress: called with a ``Progress`` snapshot every ``progress_every`` seconds.
-        on_halt: called with the ``Halt`` and ``Summary`` when a run halts early.
+        on_halt: called with the ``Halt`` and ``Summary`` when a run halts on what an
+            operator must act on: a fatal answer (401/402), the request budget, a storage
+            failure (as ``[alerts]``). Not on ``stop()``, a cancellation or an API that cannot
+            be reached at all: ``run`` returns or raises those to its caller. What it raises
+            is logged.
         on_attempt: called with ``(id, status, error)`` for every attempt as it comes back
             (``error`` is None for a good one): every try counts, not only recorded IDs. It
             observes only; it never changes what happens (what it raises is logged).
@@ -74,6 +79,26 @@ class Crawler:
         progress_every: float = 1.0,
         total: int | None = None,
     ) -> None:
+        if not isinstance(config, Config):
+            raise ConfigError(f"config must be an asyncrawl.Config (Config.load(path) reads a "
+                              f"file), got {type(config).__name__}")
+        hooks = {"request_for": request_for, "classify": classify, "on_result": on_result,
+                 "on_failure": on_failure, "on_progress": on_progress, "on_halt": on_halt,
+                 "on_attempt": on_attempt}
+        for name, hook in hooks.items():
+            if hook is None:
+                continue
+            if not callable(hook):
+                raise ConfigError(f"{name} must be a function, got {type(hook).__name__}")
+            if inspect.iscoroutinefunction(hook) or inspect.iscoroutinefunction(
+                    type(hook).__call__):  # (an object whose __call__ is async)
+                raise ConfigError(f"{name} must be a plain function, not a coroutine function: "
+                                  "it is called, never awaited (hand the work to a task or "
+                                  "a queue of your own)")
+        if not progress_every > 0:  # (nan too)
+            raise ConfigError(f"progress_every must be greater than 0, got {progress_every!r}")
+        if total is not None and total < 0:
+            raise ConfigError(f"total must be the number of IDs (0 or more), got {total!r}")
         self.config = config
         self.hooks = Hooks(request_for=request_for, classify=classify, on_result=on_result,
                            on_failure=on_failure, on_progress=on_progress, on_halt=on_halt,
@@ -84,6 +109,7 @@ class Crawler:
             log.warning("%s", RESEND_WARNING)
         self._own_session: aiohttp.ClientSession | None = None
         self._run: Run | None = None  # the current (or last) run
+        self._live: dict[Run, asyncio.Future[None]] = {}  # runs under way: when each ends
 
     def __repr__(self) -> str:
         return f"<Crawler {self._run!r}>"
@@ -94,9 +120,25 @@ class Crawler:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._own_session is not None:
-            await self._own_session.close()
-            self._session = self._own_session = None
+        """Leaving the block stops a run still going (another task's ``run()``: an error or a
+        cancellation left the block early) and waits for it to end, its requests in flight
+        given the grace period: no crawl goes on, and spends, unwatched. Cancelled meanwhile,
+        the grace period is cut short (as by a second ``stop``)."""
+        try:
+            if self._live:
+                for run in self._live:
+                    run.stop.set(Halt("cancelled", None, "the crawler's `async with` block "
+                                      "was left while this run was going"))
+                try:
+                    await asyncio.wait(list(self._live.values()))
+                except asyncio.CancelledError:
+                    for run in self._live:
+                        run.request_stop()  # (set already: cuts the grace period short)
+                    raise
+        finally:
+            if self._own_session is not None:
+                await self._own_session.close()
+                self._session = self._own_session = None
 
     # -- what an application watches or does while a run goes ---------------------------------
 
@@ -118,28 +160,40 @@ class Crawler:
     def stop(self, reason: str = "signal", *, signum: int | None = None) -> None:
         """Stop the run like SIGINT: no new requests, in-flight ones get the grace period.
         A second call cuts the grace period short."""
-        if self._run is not None:
-            self._run.request_stop(reason, signum)
+        for run in self._live:
+            run.request_stop(reason, signum)
 
     # -- the run -------------------------------------------------------------------------------
 
     async def run(self, ids: Iterable[str] | AsyncIterable[str] | None = None) -> Summary:
         """Fetch every unsettled ID of ``ids`` (default: the config's IDs file)."""
+        if isinstance(ids, str):  # (an iterable of one-character IDs: never what was meant)
+            raise ConfigError("ids is a str: pass an iterable of IDs (a list, say), or set "
+                              "[source] ids to a file")
+        run = Run(self.config, self.hooks, total=self.total)
+        ended = self._live[run] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._execute(run, ids)
+        finally:
+            del self._live[run]
+            ended.set_result(None)
+
+    async def _execute(self, run: Run, ids: Iterable[str] | AsyncIterable[str] | None) -> Summary:
         cfg = self.config
         # asyncrawl's own HTTP client (http1) sends when the session is the crawler's own
         lean = (self._session is None or self._own_session is not None) and http1.wanted()
-        run = self._run = Run(cfg, self.hooks, total=self.total)
         if ids is None and cfg.state_url is not None and not cfg.ids:
             ids = []  # join the shared job: work on the IDs it has
         if ids is None:
             if not cfg.ids or cfg.ids == "-":
-                raise AsyncrawlError("no IDs: pass ids= or set [source] ids to a file")
+                raise ConfigError("no IDs: pass ids= or set [source] ids to a file")
             ids = IdsFile(cfg.ids, self.total)
             if self.total is None:
                 ids.lines = run.meter.total = await asyncio.to_thread(prescan_file, cfg.ids)
         source = ids if isinstance(ids, IdsFile) else id_chunks(ids)
         store = await open_store(cfg.state, cfg.job, lease=cfg.lease,
                                  cooldown=cfg.cooldown if cfg.second_pass else 0.0)
+        self._run = run  # (once its store is open: not a run refused the state's lock)
         try:
             check_job(cfg, await store.claim_identity(cfg.job_identity()))
             session, own = self._session, None

@@ -72,7 +72,7 @@ class Request:
     that ends up in a traceback or a debug line does not carry the key with it."""
 
     method: str
-    url: URL
+    url: URL | str
     headers: Mapping[str, str] = field(default_factory=dict)
     json: Any = None
 
@@ -338,6 +338,9 @@ class Fetcher:
         if self.request_for is None:
             return None
         req = self.request_for(item_id)
+        if not isinstance(req, Request):
+            raise ConfigError(f"request_for returned {type(req).__name__} for ID {item_id!r}: "
+                              "it must return an asyncrawl.Request")
         url, headers = req.url, req.headers
         if not isinstance(url, URL):  # (a str: a redirect joins onto it as a URL)
             url = URL(url)
@@ -514,7 +517,12 @@ class Fetcher:
         if self.classify is not None:
             verdict = self.classify(Response(item_id, status, CIMultiDict(headers), data, body_ok))
             if verdict is not None:
-                outcome = Outcome(verdict)
+                try:
+                    outcome = Outcome(verdict)
+                except (ValueError, TypeError):
+                    raise ConfigError(
+                        f"classify returned {verdict!r} for ID {item_id!r}: it must return an "
+                        "Outcome, 'ok', 'retry', 'skip', 'fatal' or None") from None
         billable = 200 <= status < 300
         if outcome is Outcome.OK:
             if not body_ok:

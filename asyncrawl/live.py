@@ -137,6 +137,7 @@ async def tick(progress: Callable[[], Progress], state_dir: Path | None,
     step = min(every, LIVE_EVERY)
     last_hook = time.monotonic()
     last_live = 0.0
+    hook_failed = False
     while True:
         await asyncio.sleep(step)
         p = progress()
@@ -151,7 +152,10 @@ async def tick(progress: Callable[[], Progress], state_dir: Path | None,
             try:
                 on_progress(p)
             except Exception:
-                log.exception("on_progress hook failed")
+                if not hook_failed:  # (once: not a traceback a tick for the whole run)
+                    log.exception("on_progress hook failed (its later failures in this run "
+                                  "are not logged)")
+                hook_failed = True
 
 
 def write_live(state_dir: Path, p: Progress) -> None:

@@ -248,7 +248,10 @@ class Run:
             return  # the run that met the halt sends the alerts
         await send_alerts(self.config, halt, summary, session)
         if self.hooks.on_halt is not None:
-            self.hooks.on_halt(halt, summary)
+            try:  # (observes only: what it raises does not take the run's summary away)
+                self.hooks.on_halt(halt, summary)
+            except Exception:
+                log.exception("on_halt hook failed")
 
     async def _passes(self, first: AsyncIterator[Chunk], session: aiohttp.ClientSession,
                       writer: AnyWriter,

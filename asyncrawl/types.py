@@ -88,7 +88,9 @@ class Progress:
 @dataclass(frozen=True, slots=True)
 class Summary:
     """What a run ended with. ``ok``/``failed``/``unavailable``/``pending`` count this run's IDs
-    by their state after the run (IDs settled by earlier runs included)."""
+    by their state after the run (IDs settled by earlier runs included); in a job shared by
+    several processes (PostgreSQL), the whole job's IDs, whichever process fetched them.
+    ``fetched``, ``requests``, ``retries`` and ``billable`` are this run's own."""
 
     ok: int
     failed: int

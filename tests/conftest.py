@@ -6,6 +6,8 @@ Everything talks to real servers over loopback; nothing mocks aiohttp.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -234,3 +236,21 @@ async def both_clients(request: pytest.FixtureRequest,
     yield request.param
     for fetcher in made:
         fetcher.close()
+
+
+@contextlib.contextmanager
+def asyncrawl_log() -> Iterator[list[str]]:
+    """Messages of the ``asyncrawl`` logger (whatever a CLI test did to its propagation)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logger = logging.getLogger("asyncrawl")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)

@@ -17,12 +17,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from asyncrawl import Config, Crawler, InputError, Outcome, Progress, Response, Result
+from asyncrawl import Config, ConfigError, Crawler, InputError, Outcome, Progress, Response, Result
 from asyncrawl.progress import summary_text
 from asyncrawl.report import export, status, status_text
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
-from .conftest import KEY, db_rows, fast_config, outcomes_of
+from .conftest import KEY, asyncrawl_log, db_rows, fast_config, outcomes_of
 
 
 def exported(config: Config, outcome: str = "ok") -> list[dict]:
@@ -975,3 +975,91 @@ async def test_workers_take_no_new_id_while_the_store_is_behind(
             summary = await asyncio.wait_for(crawl, 60)
         starts = api.starts()
     assert summary.ok == n and len(starts) == n and set(starts) == set(ids)
+
+
+# -- embedding: what the application gets wrong, and leaving the block ---------------------------
+
+
+async def test_leaving_the_block_stops_a_run_still_going_and_waits_for_it(state: Path) -> None:
+    """A run in another task when the ``async with`` block is left (here by an error) is
+    stopped, its requests in flight given the grace period, and has ended when the block is
+    left: no crawl goes on, and spends, unwatched. A concurrent ``run()`` refused the state's
+    lock does not take ``stop`` away from the run under way."""
+    from asyncrawl import LockedError
+
+    ids = [f"b{i}" for i in range(400)]
+    async with MockAPI(api_key=KEY, latency=0.01) as api:
+        cfg = fast_config(api, state, rate=400.0, concurrency=4)
+        task = None
+        with pytest.raises(ZeroDivisionError):
+            async with Crawler(cfg) as crawler:
+                task = asyncio.create_task(crawler.run(ids))
+                deadline = asyncio.get_running_loop().time() + 30
+                while crawler.ok < 20:
+                    assert asyncio.get_running_loop().time() < deadline and not task.done()
+                    await asyncio.sleep(0.02)
+                with pytest.raises(LockedError):
+                    await crawler.run(["other"])
+                1 / 0  # noqa: B018 (the application's error leaves the block)
+        assert task is not None and task.done()
+        summary = task.result()
+        sent = len(api.starts())
+        assert summary.halt is not None and summary.halt.reason == "cancelled"
+        assert 20 <= summary.ok < len(ids) and summary.exit_code == 130
+        left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("asyncrawl")]
+        assert left == []
+        async with Crawler(cfg) as crawler:  # the state is free again: the rest, once each
+            assert (await crawler.run(ids)).ok == len(ids)
+        assert len(api.starts()) - sent == len(ids) - summary.ok
+
+
+async def test_what_an_application_passes_wrongly_is_a_config_error(state: Path) -> None:
+    cfg = Config(url="http://127.0.0.1:9/items/{id}", state_dir=str(state))
+
+    async def on_result(r: Result) -> None:
+        pass
+
+    class Later:
+        async def __call__(self, p: Progress) -> None:
+            pass
+
+    bad: list[tuple[Any, dict[str, Any], str]] = [
+        (None, {}, "config must be an asyncrawl.Config"),
+        ("config.toml", {}, "config must be an asyncrawl.Config"),
+        (cfg, {"on_result": on_result}, "on_result must be a plain function"),
+        (cfg, {"on_progress": Later()}, "on_progress must be a plain function"),
+        (cfg, {"on_failure": 5}, "on_failure must be a function"),
+        (cfg, {"progress_every": 0}, "progress_every must be greater than 0"),
+        (cfg, {"progress_every": float("nan")}, "progress_every must be greater than 0"),
+        (cfg, {"total": -5}, "total must be"),
+    ]
+    for config, kw, said in bad:
+        with pytest.raises(ConfigError, match=said):
+            Crawler(config, **kw)
+    async with Crawler(cfg) as crawler:
+        with pytest.raises(ConfigError, match="ids is a str"):
+            await crawler.run("abc")
+    assert not await asyncio.to_thread(state.exists)  # nothing was begun
+
+
+@pytest.mark.parametrize("hook", ["classify", "request_for"])
+async def test_a_hook_that_returns_the_wrong_thing_stops_the_run_saying_which(
+        api: MockAPI, state: Path, hook: str) -> None:
+    kw: dict[str, Any] = ({"classify": lambda response: "bogus"} if hook == "classify"
+                          else {"request_for": lambda item: None})
+    async with Crawler(fast_config(api, state), **kw) as crawler:
+        with pytest.raises(ConfigError, match=f"{hook} returned .* for ID 'h1'"):
+            await crawler.run(["h1"])
+
+
+async def test_an_on_halt_hook_that_raises_is_logged_and_the_summary_kept(state: Path) -> None:
+    async with MockAPI(api_key=KEY) as api:
+        def on_halt(halt: Any, summary: Any) -> None:
+            raise RuntimeError("the pager is down")
+
+        cfg = fast_config(api, state, headers={"X-Api-Key": "wrong"})
+        with asyncrawl_log() as lines:
+            async with Crawler(cfg, on_halt=on_halt) as crawler:
+                summary = await crawler.run(["k1", "k2"])
+    assert summary.halt is not None and summary.halt.reason == "fatal" and summary.exit_code == 3
+    assert any("on_halt hook failed" in line for line in lines), lines

@@ -14,7 +14,6 @@ import base64
 import contextlib
 import gzip
 import json
-import logging
 import os
 import shutil
 import socket
@@ -39,7 +38,7 @@ from asyncrawl import Config, ConfigError, Crawler
 from asyncrawl.fetch import INSECURE_WARNING, Fetcher, Outcome, RequestBuilder, encode_id
 from asyncrawl.journal import JOURNAL
 
-from .conftest import ROOT, db_rows, write_config, write_ids
+from .conftest import ROOT, asyncrawl_log, db_rows, write_config, write_ids
 
 # A key with characters that a URL must percent-encode: redaction has to catch the encoded form.
 KEY = "sk+live/7f3a9c=="
@@ -722,24 +721,6 @@ async def tls_settle() -> None:
     """Let closed TLS connections finish their shutdown before the loop ends (aiohttp's advice
     for a graceful close; otherwise the loop closes under them: "unclosed transport")."""
     await asyncio.sleep(0.25)
-
-
-@contextlib.contextmanager
-def asyncrawl_log() -> Iterator[list[str]]:
-    """Messages of the ``asyncrawl`` logger (whatever a CLI test did to its propagation)."""
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(record.getMessage())
-
-    handler = Keep(logging.WARNING)
-    logger = logging.getLogger("asyncrawl")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
