@@ -16,6 +16,7 @@ demo: $(BIN)/asyncrawl
 
 test: $(BIN)/asyncrawl
 	$(BIN)/ruff check asyncrawl tests bench
+	$(BIN)/mypy asyncrawl
 	$(BIN)/python -m pytest -q
 
 bench: $(BIN)/asyncrawl

@@ -19,7 +19,7 @@ import stat
 import sys
 import time
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -299,7 +299,7 @@ class _JsonFormatter(logging.Formatter):
         return self.config.redact(json.dumps(obj, ensure_ascii=False))
 
 
-class _Console(logging.StreamHandler):  # type: ignore[type-arg]
+class _Console(logging.StreamHandler):
     """stderr, shared with the live view: a log line first erases the view, and the next frame
     draws it again below the line."""
 
@@ -371,7 +371,8 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
     from .crawler import Crawler  # the HTTP stack: loaded only by the commands that send
 
     # the error log lines need the failures only: no Result is made for an ok ID
-    on_result, on_attempt = None, errors.attempt
+    on_result = None
+    on_attempt: Callable[[str, int | None, str | None], None] = errors.attempt
     metrics = None
     if metrics_at is not None:
         from .metrics import Metrics
@@ -379,9 +380,11 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
         metrics = Metrics(config, lambda: crawler.progress())
         on_result = metrics.result  # (it counts every outcome)
 
-        def on_attempt(item: str, status: int | None, error: str | None) -> None:
+        def both(item: str, status: int | None, error: str | None) -> None:
             errors.attempt(item, status, error)
             metrics.attempt(item, status, error)
+
+        on_attempt = both
 
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
                       on_result=on_result, on_failure=errors.result, on_attempt=on_attempt)

@@ -188,6 +188,7 @@ class Config:
             yield
         except ConfigError as e:
             e.args = tuple(self.redact(a) if isinstance(a, str) else a for a in e.args)
+            e.message = self.redact(e.message)  # (what a caller may raise again)
             raise
 
     def __repr__(self) -> str:
@@ -269,16 +270,16 @@ class Config:
                 cls(**{**kwargs, **{k: in_file[k] for k in replaced}})
             except ConfigError as e:
                 if TOML_KEYS.get(e.key or "") in replaced:
-                    raise ConfigError(str(e).split(": ", 1)[-1], key=e.key, path=path) from None
+                    raise ConfigError(e.message, key=e.key, path=path) from None
         try:
             return cls(**kwargs)
         except ConfigError as e:
-            name = TOML_KEYS.get(e.key or "")
+            field_name = TOML_KEYS.get(e.key or "")
             given = {k for k, v in overrides.items() if v is not None}
-            if name in given:  # the value came from the command line, not from the file
-                raise ConfigError(str(e).split(": ", 1)[-1], key=flag_for(name)) from None
+            if field_name is not None and field_name in given:  # the value came from the
+                raise ConfigError(e.message, key=flag_for(field_name)) from None  # command line
             if path is not None and e.path is None:
-                raise ConfigError(str(e).split(": ", 1)[-1], key=e.key, path=path) from None
+                raise ConfigError(e.message, key=e.key, path=path) from None
             raise
 
     def with_overrides(self, **overrides: Any) -> Config:

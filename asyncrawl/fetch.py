@@ -367,13 +367,15 @@ class Fetcher:
         cfg = self.config
         try:
             data: bytes | None = None
+            url: URL
+            headers: Mapping[str, str]
             if req is None:
                 b = self._builds[lane]
                 method, url, headers, body = b.method, b.url(item_id), b.headers, None
                 if b.body is not None:
                     data = b.body(item_id)
             else:
-                method, url, headers, body = req.method, req.url, req.headers, req.json
+                method, url, headers, body = req.method, URL(req.url), req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
                 if self.lean is not None and self.lean.serves(method, url):
                     _CONNECTED.set(True)  # (from here on, only a connect's failure sent nothing)
@@ -653,7 +655,8 @@ def env_proxy(url_template: str) -> str | None:
     ``~/.netrc`` for every request."""
     parts = urlsplit(url_template.replace("{id}", "x"))
     proxies = urllib.request.getproxies_environment()
-    if not parts.hostname or urllib.request.proxy_bypass_environment(parts.hostname, proxies):
+    if not parts.hostname or urllib.request.proxy_bypass_environment(  # type: ignore[attr-defined]
+            parts.hostname, proxies):  # (the stdlib's, which typeshed does not list)
         return None
     return proxies.get(parts.scheme) or proxies.get("all")
 
@@ -710,7 +713,7 @@ REFUSING = {
 }
 
 
-def _connect_error(e: aiohttp.ClientConnectorError) -> tuple[ErrorKind, str]:
+def _connect_error(e: aiohttp.ClientConnectorError | http1.ConnectError) -> tuple[ErrorKind, str]:
     """A connect failure's kind, in words an operator acts on: ``connection refused to
     host:port``, ``name host does not resolve``; else the exception as usual."""
     err = e.os_error

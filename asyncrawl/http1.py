@@ -360,7 +360,8 @@ class _Connection(asyncio.Protocol):
         # a parser for each answer: what the last one holds (a stray head's start) is not read
         # as the start of this one
         self.parser = HttpResponseParser(
-            self, self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
+            self,  # type: ignore[arg-type]  # (it calls only what a _Connection has)
+            self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
             read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``_Inflate``)
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
         self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
@@ -585,7 +586,7 @@ class Client:
         lookup = self._lookups.get(key)
         if lookup is None:  # one lookup for all the connects that wait for it, as aiohttp's
             lookup = self._lookups[key] = loop.create_task(  # (owned: ``close`` cancels it)
-                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+                loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))  # type: ignore[arg-type]
             lookup.add_done_callback(lambda done: self._looked_up(key, done))
         return await asyncio.shield(lookup)  # (a connect that gives up leaves it to the rest)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from .errors import StorageError
 from .governor import Governor
@@ -67,7 +67,7 @@ SLOW = 0.2  # seconds a library caller's source may keep the IDs it gave from th
 
 
 async def _blocks(chunks: AsyncIterator[list[str]],
-                  slow: float | None = None) -> AsyncIterator[list[str]]:
+                  slow: float | None = None) -> AsyncGenerator[list[str], None]:
     """``chunks`` in blocks: the first chunk alone (fetching starts), then ``MERGE`` IDs or
     more; with ``slow``, also a block whose first ID came that long ago, as soon as the
     source makes it wait (a source that trickles IDs in never fills a block). What ``chunks``

@@ -644,7 +644,7 @@ class PgStore:
             RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
             {"run": self._run, "lease": self.lease, "job": self.job_name, "gen": self._gen,
              "n": n}).fetchall()
-        return [tuple(r) for r in rows]  # type: ignore[misc]
+        return [tuple(r) for r in rows]
 
     async def pass_left(self, pass_no: int) -> bool:
         """Whether the pass has work anywhere but in this run's hands: IDs another run holds
@@ -985,11 +985,11 @@ class PgStore:
                 for key, n in rec.paid_keys().items():
                     keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
-        for item_id, day, key in calls:  # the intents written (refused ones are not sent)
+        for item_id, day, fp in calls:  # the intents written (refused ones are not sent)
             if item_id not in self._refused:
                 ledger[(day, self._endpoint, "sent")] += 1
-                if key is not None:
-                    keys[(day, key, "sent")] += 1
+                if fp is not None:
+                    keys[(day, fp, "sent")] += 1
         for sql, counts in ((ADD_LEDGER, ledger), (ADD_KEY_LEDGER, keys)):
             for day, what, n_sent, n_billable in call_rows(counts):
                 db.execute(sql, (self.job_name, day, what, self._run, n_sent, n_billable))

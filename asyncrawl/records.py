@@ -278,7 +278,7 @@ def in_order_parts(records: Sequence[Record]) -> list[Sequence[Record]]:
     the same ID can share one group commit; there the outcome must not close the intent of a
     request that is out. Nearly every batch is one part."""
     parts: list[Sequence[Record]] = []
-    start, settled = 0, set()
+    start, settled = 0, set[str | None]()
     for i, rec in enumerate(records):
         if rec.kind == "sent" and rec.id in settled:
             parts.append(records[start:i])

@@ -472,9 +472,10 @@ class Run:
             if task.cancelled():
                 if closing:  # (by ``_shutdown``)
                     return
-                exc: BaseException | None = RuntimeError(
+                cut = RuntimeError(
                     f"{task.get_name()} ended cancelled, though the run did not cancel it")
-                errors.append(exc)
+                errors.append(cut)
+                exc: BaseException | None = cut
             else:
                 exc = task.exception()
             if exc is not None:
@@ -600,8 +601,7 @@ class Run:
                     f"rerun fetches them)")))
             return
         kind = attempt.kind
-        fix = INCURABLE.get(kind) if kind is not None else None
-        if fix is None:
+        if kind is None or (fix := INCURABLE.get(kind)) is None:
             return
         self._incurable[kind] += 1
         if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():

@@ -15,7 +15,7 @@ import sqlite3
 import stat
 import tempfile
 import unicodedata
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import aiofiles
@@ -273,7 +273,7 @@ def _raised_by_source(e: BaseException) -> bool:
     return task is not None and not task.cancelling()
 
 
-async def _as_they_come(ids: AsyncIterable[str]) -> AsyncIterator[list[str]]:
+async def _as_they_come(ids: AsyncIterable[str]) -> AsyncGenerator[list[str], None]:
     """The items of ``ids``, in lists of what has come by the time the list is asked for
     (at least one, at most ``CHUNK_IDS``): a task of its own reads ``ids`` ahead by up to
     that many; what ``ids`` raises is raised after the items before it."""

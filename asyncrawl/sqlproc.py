@@ -81,7 +81,7 @@ def wire(rec: Record) -> tuple[Any, ...]:
     return tuple(rec) if rec.raw is None else (*rec[:5], None, *rec[6:])
 
 
-def frame(obj: object) -> bytes:
+def frame(obj: Any) -> bytes:
     """``obj`` as one frame of the pipe: its length, then its ``marshal`` form."""
     data = marshal.dumps(obj)
     return _LEN.pack(len(data)) + data
@@ -516,7 +516,7 @@ def _open_files() -> set[tuple[int, int]]:
 
 
 def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
-            mask: set[signal.Signals]) -> None:
+            mask: set[int | signal.Signals]) -> None:
     """The forked child: shed what is the parent's, wait for a run, serve it; never returns
     (it would run on in the parent's code)."""
     code = 70

@@ -1064,7 +1064,7 @@ def _packed(cells: list[int], page: int, payloads: int = 16) -> float:
 def _even(size: int, page: int, number: int) -> tuple[float, tuple[int, ...]]:
     """Of one row and 2 to 16 pieces of one size, the cheapest for ``size`` bytes, and its
     cost (bytes of the file and ``ROW_COST`` a row)."""
-    best = (_row_bytes(size, page, number) + ROW_COST, (size,))
+    best: tuple[float, tuple[int, ...]] = (_row_bytes(size, page, number) + ROW_COST, (size,))
     for n in range(2, 17):
         step = -(-size // n)
         last = size - step * (n - 1)

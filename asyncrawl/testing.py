@@ -416,7 +416,7 @@ class MockAPI:
             return _error(status, _phrase(status).lower())
         if kind == "error_in_body":
             return _Reply(200, orjson.dumps({"code": fault.status,
-                                             "message": _phrase(fault.status)}))
+                                             "message": _phrase(fault.status or 500)}))
         if early and kind in ("flaky", "stall"):
             status = fault.status or 503
             reply = _error(status, _phrase(status).lower())

@@ -289,7 +289,7 @@ class Worker:
         self.stop = stop
         self.keep_data = keep_data
         # [request] keys: their fingerprints (the ledger's), and who hears of a retired key
-        self.fingerprints = [key_fingerprint(k) for k in config.keys] or [None]
+        self.fingerprints: list[str | None] = [key_fingerprint(k) for k in config.keys] or [None]
         self.on_retire = on_retire
         self.in_flight = 0
         self.flying: set[str] = set()  # IDs whose request is out; left here if cut off
