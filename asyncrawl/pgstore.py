@@ -1061,9 +1061,12 @@ class PgStore:
                 (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
+            # the job's halt is the one of the run that ended last: a process stopped by a
+            # signal while the others finished the job has not halted it (a job-wide halt
+            # ends every run with it)
             last = db.execute("SELECT halt_reason, halt_status, halt_message FROM asyncrawl_runs "
-                              "WHERE job = %s ORDER BY run DESC LIMIT 1",
-                              (self.job_name,)).fetchone()
+                              "WHERE job = %s AND ended IS NOT NULL ORDER BY ended DESC, run DESC "
+                              "LIMIT 1", (self.job_name,)).fetchone()
         halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
         counts = Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
                         unavailable=by.get("unavailable", 0))

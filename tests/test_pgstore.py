@@ -411,6 +411,29 @@ def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
     assert snap.in_doubt + snap.billed_twice >= len(twice)
 
 
+def test_a_process_stopped_by_a_signal_does_not_halt_the_job_the_others_finish(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    """The job's halt (``status``) is the one of the run that ended last: a process stopped
+    by SIGTERM while another finishes the job leaves it finished, not halted."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.02")
+    ids = write_ids(tmp_path / "ids.txt", [f"t{i}" for i in range(600)])
+    limits = {"concurrency": 4, "rate": 200}
+    other = _run(_config(tmp_path, mock.item_url, job, ids, limits=limits))
+    done = "SELECT count(*) FROM asyncrawl_items WHERE job = %s AND state = 'ok'"
+    _wait_for(lambda: pg_rows(done, job)[0][0] >= 50, 60, "50 IDs ok")
+    quitter = _run(_config(tmp_path, mock.item_url, job, None, limits=limits))  # (the later)
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_runs WHERE job = %s AND "
+                              "ended IS NULL", job)[0][0] == 2, 60, "both runs going")
+    quitter.send_signal(signal.SIGTERM)
+    _, err = quitter.communicate(timeout=60)
+    assert quitter.returncode == 143, err
+    _, err = other.communicate(timeout=120)
+    assert other.returncode == 0, err
+    snap = read_store(PG, job=job).snapshot()
+    assert snap.counts == Counts(ok=600, failed=0, unavailable=0)
+    assert snap.halt is None, snap.halt
+
+
 def test_a_process_stopped_past_its_leases_does_not_send_what_another_took(
         tmp_path: Path, job: str, mock_process: Any) -> None:
     """A process frozen (SIGSTOP: a stopped VM, a long pause) past its 2-s leases while another
