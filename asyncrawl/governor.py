@@ -94,7 +94,7 @@ class RateController:
     """
 
     __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
-                 "_last_cut", "_last_raise", "_limited", "_limited_recent", "_pause_end",
+                 "_last_cut", "_last_raise", "_limited", "_limited_recent", "_own_cut", "_pause_end",
                  "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
                  "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
                  "_stretch_took", "background", "ceiling", "cuts", "max_rate", "min_rate", "rate")
@@ -106,6 +106,7 @@ class RateController:
         self.ceiling: float | None = None
         self.cuts = 0
         self._last_cut = -math.inf  # answers to requests sent before this describe an old rate
+        self._own_cut = -math.inf  # ... of which this controller's own cuts (not ``adopt``'s)
         self._last_raise = now
         self._decide_at: float | None = None  # an open episode is judged then
         self._since: float | None = None  # first send since the last decrease
@@ -267,9 +268,12 @@ class RateController:
             quota = max(quota, min(float(self._recent_at_episode), self.rate))
             self.ceiling = max(quota, self.min_rate)
             target = 0.97 * quota
-        elif self._limited <= 1 and now - self._last_cut > 5.0:
+        elif self._limited <= 1 and now - self._own_cut > 5.0:
             # A lone "too many requests" right after a pause or at the start: too little to
             # estimate from; back off a little (a real quota overrun brings many at once).
+            # A job-wide rate just adopted is no cut of this controller's: a process joining
+            # a shared job whose first few requests meet one 429 (another process's window
+            # overrun) backs off 5 %, not to a tenth estimated from three answers.
             target = 0.95 * self.rate
         else:
             # What came back per second of wall-clock time: low at the start (the sending was
@@ -286,7 +290,7 @@ class RateController:
             rate = min(self.rate, proven)  # if any, is between that and where it came
             self.ceiling = self.rate
         self.rate = rate
-        self._last_cut = self._last_raise = now
+        self._last_cut = self._own_cut = self._last_raise = now
         self._new_episode()
         self.cuts += 1
 

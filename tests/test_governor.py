@@ -528,3 +528,23 @@ async def test_requests_held_back_leave_at_the_adaptive_rate_when_it_is_cut() ->
     await asyncio.wait_for(asyncio.gather(*leaving), 5)
     for n, t in enumerate(sorted(left), 1):
         assert n <= 1 + 50 * (t - t0) * 1.05, (n, t - t0)
+
+
+def test_a_job_wide_rate_adopted_is_no_cut_of_the_controller_s_own() -> None:
+    """A process joining a shared job adopts the job's rate (another process's cut), then its
+    first few requests meet one 429 (another process's overrun of the quota's window): that is
+    too little to estimate a quota from, so it backs off 5 %, as after a start or a pause. It
+    cut to a tenth (15.5 -> 1.6 req/s) estimated from three answers, and published that as the
+    job's rate (found by a PostgreSQL audit, three processes on a 30 req/s quota)."""
+    c = RateController(max_rate=20.0, now=0.0)
+    c.adopt(15.5, 0.0)
+    assert c.rate == 15.5
+    t = 1.0
+    for i in range(3):  # three requests, the second answered 429
+        c.tick(t)
+        c.on_send(t)
+        c.on_response(t + 0.05, t, limited=i == 1)
+        t += 1 / c.rate
+    t += 1.0
+    c.tick(t)  # (the episode is judged)
+    assert c.cuts == 1 and c.rate >= 0.95 * 15.5 - 1e-9, c.rate
