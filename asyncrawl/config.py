@@ -210,8 +210,8 @@ class Config:
 
         p = Path(path)
         try:
-            with p.open("rb") as f:
-                doc = tomllib.load(f)
+            text = p.read_bytes().decode()  # (as tomllib.load reads it: no newline translation)
+            doc = tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError("config file not found", path=p) from None
         except (OSError, UnicodeDecodeError) as e:
@@ -221,7 +221,7 @@ class Config:
         try:
             return cls.from_dict(doc, path=p, need_env=need_env, need_url=need_url, **overrides)
         except ConfigError as e:  # about a key of the file: its line too
-            line = _line_of(p, e.key) if e.path == str(p) and e.line is None else None
+            line = _line_of(text, e.key) if e.path == str(p) and e.line is None else None
             if line is None:
                 raise
             raise ConfigError(e.message, key=e.key, path=p, line=line) from None
@@ -843,9 +843,10 @@ def _is_http_url(url: str) -> bool:
 _TABLE = re.compile(r"\s*\[\s*([^\[\]]+?)\s*\]\s*(?:#.*)?$")
 
 
-def _line_of(path: Path, key: str | None) -> int | None:
-    """The line of ``path`` where ``key`` (``section.name``, or ``[section]``) is written, if
-    it is written plainly there (``name = ...`` under ``[section]``), else ``None``."""
+def _line_of(text: str, key: str | None) -> int | None:
+    """The line of a config file's ``text`` where ``key`` (``section.name``, or ``[section]``)
+    is written, if it is written plainly there (``name = ...`` under ``[section]``), else
+    ``None``."""
     if not key:
         return None
     if key.startswith("["):
@@ -854,19 +855,15 @@ def _line_of(path: Path, key: str | None) -> int | None:
         table, name = key.split(".", 1)
     else:
         return None
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
     current = ""
-    for number, text in enumerate(lines, 1):
-        header = _TABLE.match(text)
+    for number, line in enumerate(text.splitlines(), 1):
+        header = _TABLE.match(line)
         if header:
             current = header.group(1).replace('"', "").replace(" ", "")
             if current == (table if name is None else f"{table}.{name}"):
                 return number  # ([section], or a key that is a table: [request.headers])
             continue
         if name is not None and current == table and re.match(
-                rf'\s*"?{re.escape(name)}"?\s*=', text):
+                rf'\s*"?{re.escape(name)}"?\s*=', line):
             return number
     return None

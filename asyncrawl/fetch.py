@@ -34,7 +34,7 @@ import ssl
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from urllib.parse import quote, quote_plus, urlsplit
 
 import aiohttp
@@ -375,7 +375,8 @@ class Fetcher:
                 if b.body is not None:
                     data = b.body(item_id)
             else:
-                method, url, headers, body = req.method, URL(req.url), req.headers, req.json
+                # (``hooked`` made its URL a ``URL``: nothing to build again a request)
+                method, url, headers, body = req.method, cast(URL, req.url), req.headers, req.json
             for hop in range(cfg.max_redirects + 1):
                 if self.lean is not None and self.lean.serves(method, url):
                     _CONNECTED.set(True)  # (from here on, only a connect's failure sent nothing)

@@ -58,16 +58,18 @@ class _Reporting:
     async def caught_up(self) -> None:
         """Wait until the backlog is down to half the limit (or the writer failed: nothing
         more is written, and the caller hears of it from its next ``commit``)."""
-        while self.backlog > self.backlog_limit // 2 and self.failed is None:
+        while not self._caught_up():
             fut = asyncio.get_running_loop().create_future()
             self._waiting.append(fut)
             await fut
 
+    def _caught_up(self) -> bool:
+        return self.backlog <= self.backlog_limit // 2 or self.failed is not None
+
     def _reported(self, n: int) -> None:
         """``n`` queued records were reported (durable or failed): off the backlog."""
         self.backlog -= n
-        if self._waiting and (self.backlog <= self.backlog_limit // 2
-                              or self.failed is not None):
+        if self._waiting and self._caught_up():
             waiting, self._waiting = self._waiting, []
             for fut in waiting:
                 if not fut.done():
