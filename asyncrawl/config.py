@@ -235,6 +235,12 @@ class Config:
         secrets: set[str] = set()
         base = path.parent if path else Path.cwd()
         for section, body in doc.items():
+            if section not in TOML_SECTIONS and not isinstance(body, dict):
+                # a key before any [section] header: say which section takes it, if one does
+                homes = sorted(k.split(".")[0] for k in TOML_KEYS if k.split(".", 1)[1] == section)
+                where = f"; write it under [{homes[0]}]" if homes else ""
+                raise ConfigError(f"a key outside any section{where} (sections: "
+                                  f"{', '.join(sorted(TOML_SECTIONS))})", key=section, path=path)
             if section not in TOML_SECTIONS:
                 raise ConfigError(
                     f"unknown section; expected one of {', '.join(sorted(TOML_SECTIONS))}",
@@ -691,6 +697,11 @@ def _overlap(c: Config, code: int) -> ConfigError:
     return _bad(name, f"status {code} is in {where}; a status belongs to one class")
 
 
+_DEFAULT_KEY_HEADER, _DEFAULT_KEY_FORMAT = (
+    next(f.default for f in fields(Config) if f.name == name)
+    for name in ("key_header", "key_format"))
+
+
 def _check_keys(c: Config) -> None:
     if not c.keys:
         return
@@ -702,6 +713,9 @@ def _check_keys(c: Config) -> None:
         if any(k.lower() == c.key_param.lower() for k in c.params):
             raise _bad("key_param", f"{c.key_param!r} is in [request.params] too: a key goes "
                                     "in one place")
+        if (c.key_header, c.key_format) != (_DEFAULT_KEY_HEADER, _DEFAULT_KEY_FORMAT):
+            raise _bad("key_param", "is set, and key_header or key_format too: a key goes in "
+                                    "one place (a query parameter, or a header)")
         return
     if "{key}" not in c.key_format:
         raise _bad("key_format", f"must contain {{key}}, got {c.key_format!r}")
@@ -854,7 +868,7 @@ def _line_of(text: str, key: str | None) -> int | None:
     elif "." in key:
         table, name = key.split(".", 1)
     else:
-        return None
+        table, name = "", key  # a key outside any section
     current = ""
     for number, line in enumerate(text.splitlines(), 1):
         header = _TABLE.match(line)

@@ -389,6 +389,8 @@ class Run:
         except Exception as e:  # the ID source's: raised by ``execute`` once the run has stopped
             self.stop.set(self._error_halt(e))
             raise
+        if not given:
+            return  # (a process given no IDs works on the job's: nothing to say)
         known = f" ({given - added:,} in blocks the job had already)" if added < given else ""
         log.info("merged %s IDs into the job%s", f"{given:,}", known)
 

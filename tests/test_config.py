@@ -325,6 +325,9 @@ def test_missing_file_names_file(tmp_path: Path) -> None:
      ":6: limits.rate: must be greater than 0"),
     ('[request]\nurl = "URL"\n[ limits ]\n  "burst" = 0\n', ":4: limits.burst:"),
     ('[request]\nurl = "URL"\n[limit]\nrate = 1\n', ":3: [limit]: unknown section"),
+    ('# c\nurl = "URL"\n[limits]\nrate = 1\n',
+     ":2: url: a key outside any section; write it under [request]"),
+    ('nothing = 1\n[request]\nurl = "URL"\n', ":1: nothing: a key outside any section (sections: "),
     ('[request]\nurl = "URL"\nretries = 3\n', ":3: request.retries: unknown key"),
     ('[request]\nurl = "URL"\n[request.headers]\nX = [1]\n', ":3: request.headers:"),
 ])

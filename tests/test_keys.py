@@ -94,7 +94,12 @@ def test_keys_are_checked_and_redacted() -> None:
                      ({"keys": [""]}, "request.keys"),
                      ({"keys": ["a1b2c3"], "key_format": "Bearer"}, "request.key_format"),
                      ({"keys": ["a1b2c3"], "headers": {"authorization": "x"}},
-                      "request.key_header")]:
+                      "request.key_header"),
+                     # a key goes in one place: a query parameter, or a header
+                     ({"keys": ["a1b2c3"], "key_param": "k", "key_header": "X-Key"},
+                      "request.key_param"),
+                     ({"keys": ["a1b2c3"], "key_param": "k", "key_format": "{key}"},
+                      "request.key_param")]:
         with pytest.raises(ConfigError) as e:
             Config(url=base, **bad)
         assert e.value.key == key
