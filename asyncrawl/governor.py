@@ -86,6 +86,13 @@ class RateController:
       while stretches keep showing 90% of it, and dropped two minutes after the last one,
       or at once when an episode of many 429s comes below it (the quota changed). Episodes
       of many 429s cut as before, below it too.
+    * **A share of a job.** With several processes on one job (``shared``: ``Governor.share``)
+      each sees its own share of the answers, and an episode that is not steady shows it over
+      less than a second: a newcomer's first requests, or the first after a pause, can fall in
+      a window the others had used up (30 req/s looked like 4 from five answers, and that
+      figure, published as the job's rate, slowed every process). Such an episode cuts at
+      most to half the rate, or further only if more than half of a second's answers were
+      429s (the job is more than twice over its quota). ``bench/shared_sim.py``.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
       the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
@@ -97,12 +104,14 @@ class RateController:
                  "_last_cut", "_last_raise", "_limited", "_limited_recent", "_own_cut", "_pause_end",
                  "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
                  "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
-                 "_stretch_took", "background", "ceiling", "cuts", "max_rate", "min_rate", "rate")
+                 "_stretch_took", "background", "ceiling", "cuts", "max_rate", "min_rate", "rate",
+                 "shared")
 
     def __init__(self, *, max_rate: float, min_rate: float | None = None, now: float = 0.0) -> None:
         self.max_rate = max_rate
         self.min_rate = min_rate if min_rate is not None else min(max_rate, 0.1)
         self.rate = max_rate
+        self.shared = False  # one of several processes sharing a job's rate (``Governor.share``)
         self.ceiling: float | None = None
         self.cuts = 0
         self._last_cut = -math.inf  # answers to requests sent before this describe an old rate
@@ -285,6 +294,8 @@ class RateController:
             quota = max(self._accepted / wall, shown)
             self.ceiling = None
             target = 0.95 * quota
+            if self.shared:  # a share of the job's answers, over less than a second
+                target = max(target, min(0.5, 1.0 - share) * self.rate)
         rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
         if lone and rate < proven:  # a lone 429 cuts no lower than the server took; a quota,
             rate = min(self.rate, proven)  # if any, is between that and where it came
@@ -622,6 +633,8 @@ class Governor:
 
         for lane, b in zip(self.lanes, _split(burst, n), strict=True):
             lane.resize(self.rate / runs / n, b, spent(lane.limiter), spent(lane.sends))
+            if lane.controller is not None:
+                lane.controller.shared = runs > 1
         if self.limiter is not None and self.sends is not None:
             self.limiter = _bucket(burst, self.rate / runs, spent(self.limiter))
             self.sends = _bucket(burst, self.rate / runs, spent(self.sends))

@@ -548,3 +548,50 @@ def test_a_job_wide_rate_adopted_is_no_cut_of_the_controller_s_own() -> None:
     t += 1.0
     c.tick(t)  # (the episode is judged)
     assert c.cuts == 1 and c.rate >= 0.95 * 15.5 - 1e-9, c.rate
+
+
+def _newcomer_episode(shared: bool, refused: int) -> RateController:
+    """A process that has just joined a shared job (its share of 60 req/s: 30) sends seven
+    requests at its rate into a window the other process has all but used up: the last
+    ``refused`` are answered 429 with ``Retry-After: 1``, and the pause comes at once."""
+    c = RateController(max_rate=60.0, now=0.0)
+    c.reshare(30.0)
+    c.shared = shared
+    t, paused_until = 1.0, 0.0
+    for i in range(7):
+        c.tick(t)
+        c.on_send(t)
+        limited = i >= 7 - refused
+        c.on_response(t + 0.05, t, limited, asked=limited)
+        if limited and c.limiting(t + 0.05) and t + 1.05 > paused_until:
+            c.on_pause(max(t + 0.05, paused_until), t + 1.05)
+            paused_until = t + 1.05
+        t += 1 / 30
+    c.tick(paused_until + 0.01)  # (the episode is judged at the pause's end)
+    assert c.cuts == 1
+    return c
+
+
+def test_one_process_of_a_shared_job_does_not_take_its_share_of_a_window_for_the_quota() -> None:
+    """In a job shared by several processes, an episode that is not steady shows a process its
+    share of the answers over less than a second: five accepted of seven, in a window the
+    others had used, over a wall that is mostly the pause. Alone, that estimate is the quota
+    (30 -> 3.6 req/s); shared, it was published as the job's rate and every process slowed to
+    it (bench/shared_sim.py: 0.83 of the quota with two or three processes, against 0.94 with
+    one). A shared process cuts at most to half, unless more than half of a second's answers
+    were 429s."""
+    alone = _newcomer_episode(shared=False, refused=2)
+    assert alone.rate < 5, alone.rate  # (one process: the estimate stands)
+    shared = _newcomer_episode(shared=True, refused=2)
+    assert shared.rate >= 15 - 1e-9, shared.rate
+    # most of a second's answers refused: the job is far over its quota, a deeper cut stands
+    assert _newcomer_episode(shared=True, refused=5).rate < 15
+
+
+async def test_the_governor_marks_its_controller_shared_while_other_processes_share_the_job() -> None:
+    gov = Governor(rate=60, burst=60)
+    assert gov.controller is not None and not gov.controller.shared
+    gov.share(3)
+    assert gov.controller.shared
+    gov.share(1)
+    assert not gov.controller.shared
