@@ -91,8 +91,9 @@ class RateController:
       less than a second: a newcomer's first requests, or the first after a pause, can fall in
       a window the others had used up (30 req/s looked like 4 from five answers, and that
       figure, published as the job's rate, slowed every process). Such an episode cuts at
-      most to half the rate, or further only if more than half of a second's answers were
-      429s (the job is more than twice over its quota). ``bench/shared_sim.py``.
+      most to half the rate, or further only if more than half of the answers of a second
+      (of at least five) were 429s (the job is more than twice over its quota).
+      ``bench/shared_sim.py``.
     * **Slow near the ceiling.** The rate climbs by 5% per clean second while it is below 90% of
       the last estimated quota, or above 105% of it (the quota was raised), and by only 0.1%
       per second in between — so overshoots, and their pauses, are rare once converged.
@@ -104,8 +105,8 @@ class RateController:
                  "_last_cut", "_last_raise", "_limited", "_limited_recent", "_own_cut", "_pause_end",
                  "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
                  "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
-                 "_stretch_took", "background", "ceiling", "cuts", "max_rate", "min_rate", "rate",
-                 "shared")
+                 "_stretch_took", "_sure_share", "background", "ceiling", "cuts", "max_rate",
+                 "min_rate", "rate", "shared")
 
     def __init__(self, *, max_rate: float, min_rate: float | None = None, now: float = 0.0) -> None:
         self.max_rate = max_rate
@@ -129,6 +130,7 @@ class RateController:
         self._asked: deque[float] = deque()  # answers of the last second that asked us to wait
         self.background = 0.0  # long-run share of 429s among answers
         self._episode_share = 0.0  # the highest share of 429s in a second, since the last judgement
+        self._sure_share = 0.0  # ... of the seconds with at least five answers
         self._proven = 0.0  # a rate the server has been seen to sustain (see _clean_stretch)
         self._proven_at = -math.inf  # ... last seen then (forgotten after two minutes)
         self._stretch: float | None = None  # when the latest 429 came (None: none yet) ...
@@ -170,7 +172,10 @@ class RateController:
         if limited:
             self._clean_stretch(now, sent_at)
             self._limited_recent.append(now)
-            self._episode_share = max(self._episode_share, self._recent_share(now))
+            second = self._recent_share(now)
+            self._episode_share = max(self._episode_share, second)
+            if len(self._recent) + len(self._limited_recent) >= 5:
+                self._sure_share = max(self._sure_share, second)
         elif self._stretch is not None and sent_at >= self._stretch:
             self._stretch_took += 1
         if sent_at >= self._last_cut:
@@ -253,6 +258,7 @@ class RateController:
     def _cut(self, now: float) -> None:
         answered = self._accepted + self._limited
         share, self._episode_share = self._episode_share, 0.0
+        sure, self._sure_share = self._sure_share, 0.0
         if share <= self._noise():
             self._no_cut()  # background 429s (see the class docstring): change nothing
             return
@@ -294,8 +300,10 @@ class RateController:
             quota = max(self._accepted / wall, shown)
             self.ceiling = None
             target = 0.95 * quota
-            if self.shared:  # a share of the job's answers, over less than a second
-                target = max(target, min(0.5, 1.0 - share) * self.rate)
+            if self.shared:  # a share of the job's answers, over less than a second (the
+                # share of 429s of a second with a few answers says nothing: two of two after
+                # a pause would let a cut to a tenth through)
+                target = max(target, min(0.5, 1.0 - sure) * self.rate)
         rate = max(self.min_rate, 0.1 * self.rate, min(0.95 * self.rate, target))
         if lone and rate < proven:  # a lone 429 cuts no lower than the server took; a quota,
             rate = min(self.rate, proven)  # if any, is between that and where it came

@@ -101,7 +101,8 @@ def shared(processes: int = 3, quota: int = 30, rate: float = 60.0, seconds: flo
             for j in range(n):
                 if started[j]:
                     cs[j].reshare(rate / live)
-                    cs[j].shared = live > 1  # (as Governor.share sets it)
+                    if hasattr(cs[j], "shared"):  # (a tree before stop 47 has no such flag)
+                        cs[j].shared = live > 1  # (as Governor.share sets it)
             if cut is not None:
                 seen_cut[k] = cut[1]
                 c.adopt(cut[0] / live, t)
