@@ -195,9 +195,14 @@ ON CONFLICT (job, id) DO UPDATE SET
         CASE WHEN excluded.state IN ('failed', 'perm') AND excluded.pass = 1
                   AND i.state IS DISTINCT FROM 'ok' THEN {NOW} + %(cool)s END
         ELSE i.lease_until END,
-    doubt = CASE WHEN i.doubt IN (0, 2) AND excluded.state = 'ok' THEN i.doubt + 1
+    doubt = CASE WHEN i.doubt = 0 AND excluded.state = 'ok' AND i.sent_run IS NULL
+                      AND i.sends = 1 THEN NULL
+                 WHEN i.doubt IN (0, 2) AND excluded.state = 'ok' THEN i.doubt + 1
                  ELSE i.doubt END
 """
+# (An ID in doubt because another run took it over while this run's request was out, whose
+# answer now comes in, before any other request for it left: that answer is to the one request
+# ever sent for it, so it was paid once, not possibly twice. It counted as billed twice.)
 # An intent is fenced by the lease: it is written (and the request may leave) only while the
 # ID is open (no ok, not unavailable) and this run's (leased to it, or leased to nobody and not
 # cooling down: then the intent takes the lease). A run that stalled past its lease while

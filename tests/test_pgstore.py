@@ -1136,15 +1136,28 @@ def test_a_run_that_stalled_past_its_lease_is_refused_the_send(job: str) -> None
         assert [r[0] for r in await a.claim(1, 10)] == ["z"]
         b.commit([Record("ok", "z", status=200, data={"v": 3}, paid=1)])
         assert a.commit([Record.sent("z")]) == {"z"}
+        # ... and if a's request for "w" had left before b's answer came: possibly paid twice
+        await a.merge(["w"])
+        assert [r[0] for r in await b.claim(1, 10)] == ["w"]
+        assert b.commit([Record.sent("w")]) == frozenset()
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s AND id = 'w'",
+                       (job,))
+        assert [r[0] for r in await a.claim(1, 10)] == ["w"]
+        assert a.commit([Record.sent("w")]) == frozenset()
+        b.commit([Record("ok", "w", status=200, data={"v": 4}, paid=1)])
+        a.commit([Record("ok", "w", status=200, data={"v": 5}, paid=1)])
         for s in (a, b):
             s.commit([Record("end", extra={})])
             await s.close()
 
     asyncio.run(go())
     assert pg_rows("SELECT id, sends, doubt FROM asyncrawl_items WHERE job = %s ORDER BY id",
-                   job) == [("x", 1, None), ("y", 1, None), ("z", 1, 1)]
+                   job) == [("w", 2, 1), ("x", 1, None), ("y", 1, None), ("z", 1, None)]
+    # (z: b's request, the only one, answered after a took z over: paid once, not in doubt;
+    # it was reported billed twice)
     assert pg_rows("SELECT sum(sent)::int, sum(billable)::int FROM asyncrawl_ledger "
-                   "WHERE job = %s", job) == [(3, 3)]
+                   "WHERE job = %s", job) == [(5, 5)]
 
 
 def test_pass_2_takes_a_failure_only_after_its_cool_down(job: str) -> None:
