@@ -828,9 +828,9 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
         f"the state {cfg.state_shown} belongs to another job ("
         + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
         + ", ".join(f"{k} {now[k]!r}" for k in keys)
-        + "). Start the new job with its own state (--state DIR), or, to fetch from the new "
-        "address what the old job had not settled and keep what it had, pass --reuse-state "
-        "([state] reuse = true)")
+        + "). Start the new job with its own state (--state DIR; Config(state_dir=...)), or, "
+        "to fetch from the new address what the old job had not settled and keep what it had, "
+        "pass --reuse-state ([state] reuse = true; Config(reuse_state=True))")
 
 
 def _as_redacted_now(cfg: Config, job: dict[str, Any]) -> dict[str, Any]:

@@ -1063,3 +1063,24 @@ async def test_an_on_halt_hook_that_raises_is_logged_and_the_summary_kept(state:
                 summary = await crawler.run(["k1", "k2"])
     assert summary.halt is not None and summary.halt.reason == "fatal" and summary.exit_code == 3
     assert any("on_halt hook failed" in line for line in lines), lines
+
+
+async def test_a_state_of_another_job_is_refused_in_the_library_s_terms(api: MockAPI,
+                                                                       state: Path) -> None:
+    """A library caller whose state holds another job's IDs is told what to change in its own
+    terms (``Config(...)``), not only in the command line's flags; ``reuse_state`` runs it."""
+    from dataclasses import replace
+
+    from asyncrawl.errors import JobMismatch
+
+    cfg = fast_config(api, state)
+    async with Crawler(cfg) as crawler:
+        await crawler.run(["a", "b"])
+    other = replace(cfg, url=cfg.url.replace("/items/", "/items/v2-"))
+    with pytest.raises(JobMismatch) as e:
+        async with Crawler(other) as crawler:
+            await crawler.run(["a", "c"])
+    assert "Config(reuse_state=True)" in str(e.value) and "--reuse-state" in str(e.value)
+    async with Crawler(replace(other, reuse_state=True)) as crawler:
+        summary = await crawler.run(["a", "c"])
+    assert summary.ok == 2  # ("a" was settled by the old job: kept; "c" fetched)
