@@ -65,5 +65,9 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
                                     timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 if resp.status >= 300:
                     log.warning("alert webhook answered HTTP %s", resp.status)
+        except aiohttp.ClientConnectorError as e:  # (its text says "ssl:default" for http://)
+            why = e.os_error.strerror or type(e.os_error).__name__
+            log.warning("alert webhook failed: cannot connect to %s:%s (%s)", e.host, e.port,
+                        config.redact(why))
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("alert webhook failed: %s", config.redact(str(e)) or type(e).__name__)

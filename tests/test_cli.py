@@ -442,6 +442,42 @@ def test_401_halts_with_at_most_concurrency_requests(tmp_path: Path, mock_proces
     assert s["requests_sent"] == sum(starts(log).values()), s
 
 
+def test_a_webhook_that_cannot_be_reached_is_logged_in_plain_words() -> None:
+    """A webhook whose host refuses the connection: the warning says so (host, port, why),
+    without aiohttp's "ssl:default" for an http:// URL that has no TLS at all."""
+    import socket
+
+    import aiohttp
+
+    from asyncrawl.alerts import send_alerts
+    from asyncrawl.types import Halt
+
+    from .conftest import asyncrawl_log
+
+    with socket.socket() as s:  # a port nobody listens on (bound, not listening: refused)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        cfg = Config(url="http://h.example/{id}", webhook=f"http://127.0.0.1:{port}/hook")
+
+        async def go() -> None:
+            async with aiohttp.ClientSession() as session:
+                await send_alerts(cfg, Halt("fatal", 402, "payment required"),
+                                  _summary(), session)
+
+        with asyncrawl_log() as lines:
+            asyncio.run(go())
+    (line,) = [x for x in lines if "webhook" in x]
+    assert line.startswith(f"alert webhook failed: cannot connect to 127.0.0.1:{port} ("), line
+    assert "ssl" not in line, line
+
+
+def _summary() -> Any:
+    from asyncrawl.types import Summary
+
+    return Summary(ok=0, failed=0, unavailable=0, pending=0, fetched=0, skipped=0, duplicates=0,
+                   retries=0, requests=0, billable=0, halt=None, elapsed=0.0, state_dir="state")
+
+
 def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -> None:
     mock = mock_process("--api-key", KEY, "--faults", "none", "--balance", "30")
     env_file = tmp_path / "alert-env.txt"
