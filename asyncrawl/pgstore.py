@@ -58,6 +58,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -360,7 +361,12 @@ class PgStore:
             for c in conns.values():
                 with contextlib.suppress(Exception):
                     c.close()
-            raise _storage_error(e, url, "connect to the state database") from None
+            refusal = _refused(e)
+            if refusal:  # a wrong name in the URL: no rerun cures it (exit 2, not 5)
+                raise ConfigError(f"the PostgreSQL server at {safe_url(url)} refused the "
+                                  f"connection: {refusal} (check the user, password and "
+                                  "database in --state / [state] url)") from None
+            raise _storage_error(e, url, "connect to the state database", run=for_run) from None
         return store
 
     def _schema_exists(self, *, columns: bool = True) -> bool:
@@ -1162,6 +1168,18 @@ def _connect(url: str, name: str, run: bool) -> Any:
     return db
 
 
+# what a server that answered says when the URL names a database or user it does not have,
+# or credentials it does not take (libpq gives no SQLSTATE for a failed connect: its text)
+_REFUSALS = re.compile(r'FATAL:\s+((?:database|role) "[^"]*" does not exist|password '
+                       r"authentication failed for user \"[^\"]*\"|no pg_hba\.conf entry[^\n]*)")
+
+
+def _refused(e: Exception) -> str | None:
+    """The server's refusal of a connect that names a wrong database, user or password."""
+    m = _REFUSALS.search(str(e))
+    return m.group(1) if m else None
+
+
 def _went_away(e: Exception) -> bool:
     """Whether a psycopg error says the server is unreachable or went away."""
     state = getattr(e, "sqlstate", None)  # None: no answer; 08…: connection; 57P…: shutdown
@@ -1169,13 +1187,13 @@ def _went_away(e: Exception) -> bool:
         state is None or state[:2] == "08" or state[:3] == "57P")
 
 
-def _storage_error(e: Exception, url: str, doing: str) -> StorageError:
-    """A psycopg error in an operator's words."""
+def _storage_error(e: Exception, url: str, doing: str, *, run: bool = True) -> StorageError:
+    """A psycopg error in an operator's words (``run``: a run's, which a rerun resumes)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if _went_away(e):
+        then = "nothing committed is lost, rerun to resume" if run else "try again once it is back"
         return StorageError(f"cannot {doing}: the PostgreSQL server is unreachable or went away "
-                            f"({text}); nothing committed is lost, rerun to resume",
-                            path=safe_url(url))
+                            f"({text}); {then}", path=safe_url(url))
     return StorageError(f"cannot {doing}: {text}", path=safe_url(url))
 
 

@@ -544,6 +544,33 @@ def _cut_the_database(tmp_path: Path, cfg: Path, ready: Any, what: str
     return out, err, log
 
 
+def test_a_wrong_database_or_user_in_the_url_is_a_usage_error_not_a_server_gone(
+        tmp_path: Path, job: str) -> None:
+    """A URL naming a database or a role the server does not have: the server answered, so
+    no rerun cures it; exit 2 with the server's words and what to check, for ``run`` and for
+    ``status`` (it was exit 5, "the server is unreachable or went away ... rerun to resume")."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(PG)
+    no_db = urlunsplit(parts._replace(path="/asyncrawl_no_such_database"))
+    no_role = urlunsplit(parts._replace(netloc=f"asyncrawl_no_such_role@{parts.hostname}"
+                                                f":{parts.port or 5432}"))
+    ids = write_ids(tmp_path / "ids.txt", ["a"])
+    for url, said in ((no_db, 'database "asyncrawl_no_such_database" does not exist'),
+                      (no_role, 'role "asyncrawl_no_such_role" does not exist')):
+        run = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "--url",
+                              "http://127.0.0.1:9/items/{id}", "--ids", str(ids), "--state", url,
+                              "--job", job, "--no-progress"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, **ENV}, cwd=tmp_path)
+        status = subprocess.run([sys.executable, "-m", "asyncrawl", "status", "--state", url,
+                                 "--job", job], capture_output=True, text=True, timeout=60,
+                                cwd=tmp_path)
+        for r in (run, status):
+            assert r.returncode == 2, r.stderr
+            assert said in r.stderr and "refused the connection" in r.stderr, r.stderr
+            assert "rerun" not in r.stderr
+
+
 def test_the_database_going_away_stops_the_run_with_exit_5(tmp_path: Path, job: str,
                                                           mock_process: Any) -> None:
     """A TCP proxy in front of PostgreSQL, cut mid-run: the run stops, exit 5, saying the
