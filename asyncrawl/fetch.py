@@ -114,6 +114,9 @@ class Attempt(NamedTuple):
     # the request may have reached the server, and no answer came (a timeout after the
     # connect, a dropped connection): possibly billed (``Record.unanswered``)
     unanswered: bool = False
+    # nothing left the process: the attempt failed before its first request had its connection
+    # (a refused connect, a name that does not resolve, a TLS handshake): its intent is taken back
+    sent_nothing: bool = False
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]
@@ -365,6 +368,7 @@ class Fetcher:
 
     async def _attempt(self, item_id: str, lane: int, req: Request | None) -> Attempt:
         cfg = self.config
+        hop = 0  # (a failure after a redirect's answer came: a request did leave)
         try:
             data: bytes | None = None
             url: URL
@@ -410,23 +414,26 @@ class Fetcher:
             raise AssertionError("unreachable")  # pragma: no cover
         except http1.ConnectError as e:  # (the lean client's: nothing was sent)
             if isinstance(e.os_error, ssl.SSLCertVerificationError):
-                return self._certificate(e.os_error)
+                return self._certificate(e.os_error, first=hop == 0)
             kind, error = _connect_error(e)
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind)
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
+                           sent_nothing=hop == 0)
         except aiohttp.ClientConnectorCertificateError as e:
-            return self._certificate(e.certificate_error)
+            return self._certificate(e.certificate_error, first=hop == 0)
         except TimeoutError as e:  # aiohttp's ServerTimeoutError family is a TimeoutError too
+            left = self._may_have_left(e)
             return Attempt(Outcome.RETRY, None, error=self._timeout_error(e),
-                           kind=ErrorKind.TIMEOUT, unanswered=self._may_have_left(e))
+                           kind=ErrorKind.TIMEOUT, unanswered=left,
+                           sent_nothing=hop == 0 and not left)
         except aiohttp.ClientConnectorError as e:  # (no connection: nothing was sent)
             kind, error = _connect_error(e)
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind)
-        except aiohttp.ClientError as e:
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
+                           sent_nothing=hop == 0)
+        except (aiohttp.ClientError, OSError) as e:  # (OSError: a socket error not wrapped)
+            left = self._may_have_left(e)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
-                           kind=ErrorKind.NETWORK, unanswered=self._may_have_left(e))
-        except OSError as e:  # e.g. a socket error aiohttp did not wrap
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
-                           kind=ErrorKind.NETWORK, unanswered=self._may_have_left(e))
+                           kind=ErrorKind.NETWORK, unanswered=left,
+                           sent_nothing=hop == 0 and not left)
 
     def _redirect(self, status: int, location: str, url: URL, headers: Mapping[str, str],
                   hop: int) -> Attempt | tuple[URL, Mapping[str, str]]:
@@ -454,11 +461,11 @@ class Fetcher:
             target = _without_credentials(target, cfg)
         return target, headers
 
-    def _certificate(self, e: BaseException) -> Attempt:
+    def _certificate(self, e: BaseException, *, first: bool) -> Attempt:
         return Attempt(Outcome.RETRY, None, error=self.config.redact(
             f"{CERTIFICATE}: {_describe(e)}; if the "
             "server uses a private CA, add it with [request] ca_bundle")[:500],
-            kind=ErrorKind.TLS)
+            kind=ErrorKind.TLS, sent_nothing=first)
 
     def _may_have_left(self, e: BaseException) -> bool:
         """Whether an attempt that failed with ``e`` and no answer may have reached the server

@@ -369,8 +369,12 @@ class Worker:
                 self.parking.park(item, 0.0)
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)
+            earlier = item.sent
             attempt = await self._send(item, lane, first, request)
             del held[id(item)]  # no await from here on: it is parked or settled below
+            if attempt.sent_nothing:  # (failed before it had its connection: not a request)
+                self.requests -= 1
+                self.sink.put(sent.unsent(earlier))
             if attempt.unanswered:  # possibly billed, whatever comes of the ID now
                 self.unanswered += 1
                 self.sink.put(Record.unanswered(item.id))

@@ -1145,6 +1145,9 @@ def test_an_error_waiting_cannot_cure_stops_the_job_at_once_with_the_fix(
     assert re.search(rf"errors +{re.escape(said)} × \d+", r.stdout), r.stdout
     s = status_json(cfg)
     assert s["halt"]["reason"] == "unreachable" and s["ok"] == 0
+    # no request left: none is counted as sent, none is in doubt (a refused connect counted
+    # as a call sent, and as an "error answer")
+    assert s["requests_sent"] == 0 and s["in_doubt"] == 0, s
 
 
 @pytest.mark.parametrize("where", ["no-such-dir/run.log", "."])
@@ -1173,6 +1176,7 @@ def test_https_to_a_plain_http_port_stops_the_job_at_once_with_the_fix(
         s = status_json(cfg)
         assert s["halt"]["reason"] == "unreachable"
         assert (s["ok"], s["failed"], s["unavailable"]) == (0, 0, 0)
+        assert s["requests_sent"] == 0, s  # (a handshake is no request)
 
 
 def test_error_lines_count_every_attempt_not_every_id(tmp_path: Path, mock_process: Any) -> None:
