@@ -553,7 +553,10 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     await api.start(args.host, args.port)
     try:
-        print(f"listening on {api.url}", flush=True)
+        print(f"listening on {api.url}", flush=True)  # (the first line: ``MockProcess`` reads it)
+        if sys.stdout.isatty():  # (someone at a terminal: how to call it)
+            key = "" if args.no_auth else ", with the key (--api-key) in the header X-Api-Key"
+            print(f"asyncrawl's URL: {api.url}/items/{{id}}{key}", flush=True)
         await stop.wait()
     finally:
         await api.close()
@@ -570,7 +573,11 @@ def _outage_arg(text: str) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     """Run the mock as a process until SIGTERM or SIGINT; prints ``listening on URL`` first."""
     parser = argparse.ArgumentParser(
-        prog="python -m asyncrawl.testing", description="Serve the fault-injecting mock API."
+        prog="python -m asyncrawl.testing", description="Serve the fault-injecting mock API.",
+        epilog="It answers GET /items/{id} with a JSON payload (and the faults chosen), so "
+               "asyncrawl's URL is http://HOST:PORT/items/{id}; with a key, each request "
+               "carries it as 'X-Api-Key: KEY' or 'Authorization: Bearer KEY' (else 401). "
+               "The first line it prints is 'listening on http://HOST:PORT'.",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 (default): any free port")
