@@ -698,8 +698,7 @@ def _overlap(c: Config, code: int) -> ConfigError:
 
 
 _DEFAULT_KEY_HEADER, _DEFAULT_KEY_FORMAT = (
-    next(f.default for f in fields(Config) if f.name == name)
-    for name in ("key_header", "key_format"))
+    Config.__dataclass_fields__[name].default for name in ("key_header", "key_format"))
 
 
 def _check_keys(c: Config) -> None:

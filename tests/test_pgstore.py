@@ -1152,25 +1152,23 @@ def test_a_run_that_stalled_past_its_lease_is_refused_the_send(job: str) -> None
         assert a.commit([Record.sent("x"), Record.sent("y")]) == {taken}  # a wakes up: one
         b.commit([Record("ok", taken, status=200, data={"v": 1}, paid=1)])
         a.commit([Record("ok", left, status=200, data={"v": 2}, paid=1)])
-        # the other way round: b's request for "z" is out when b stalls, a takes "z" over,
-        # b's answer comes in: "z" is ok, and a, its lease holder now, must not send it again
-        await a.merge(["z"])
-        assert [r[0] for r in await b.claim(1, 10)] == ["z"]
-        assert b.commit([Record.sent("z")]) == frozenset()
-        with psycopg.connect(PG, autocommit=True) as db:
-            db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s AND id = 'z'",
-                       (job,))
-        assert [r[0] for r in await a.claim(1, 10)] == ["z"]
+        async def taken_over(item: str) -> None:
+            """b's request for ``item`` is out when b stalls past its lease; a takes it over."""
+            await a.merge([item])
+            assert [r[0] for r in await b.claim(1, 10)] == [item]
+            assert b.commit([Record.sent(item)]) == frozenset()
+            with psycopg.connect(PG, autocommit=True) as db:
+                db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s "
+                           "AND id = %s", (job, item))
+            assert [r[0] for r in await a.claim(1, 10)] == [item]
+
+        # the other way round: b's answer for "z" comes in: "z" is ok, and a, its lease
+        # holder now, must not send it again
+        await taken_over("z")
         b.commit([Record("ok", "z", status=200, data={"v": 3}, paid=1)])
         assert a.commit([Record.sent("z")]) == {"z"}
         # ... and if a's request for "w" had left before b's answer came: possibly paid twice
-        await a.merge(["w"])
-        assert [r[0] for r in await b.claim(1, 10)] == ["w"]
-        assert b.commit([Record.sent("w")]) == frozenset()
-        with psycopg.connect(PG, autocommit=True) as db:
-            db.execute("UPDATE asyncrawl_items SET lease_until = 0 WHERE job = %s AND id = 'w'",
-                       (job,))
-        assert [r[0] for r in await a.claim(1, 10)] == ["w"]
+        await taken_over("w")
         assert a.commit([Record.sent("w")]) == frozenset()
         b.commit([Record("ok", "w", status=200, data={"v": 4}, paid=1)])
         a.commit([Record("ok", "w", status=200, data={"v": 5}, paid=1)])
