@@ -25,7 +25,8 @@ class Item:
     paid: int = 0
     unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
     suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
-    sent: bool = False  # sent at least once in this pass (even if the try was not charged)
+    sent: bool = False  # a request for it left in this pass (even if the try was not charged)
+    covered: bool = False  # its intent was durable once in this pass (the IDs file's frontier)
     block: int = -1  # the block of the IDs file it was read in (pass 1 of a file), else -1
     paid_by: dict[str, int] | None = None  # paid answers by API key fingerprint ([request] keys)
 

@@ -212,7 +212,7 @@ class Ledger:
     def left(self, item: Item) -> None:
         """``item`` was left to another process of the job (its intent was refused): not
         this pass's to settle."""
-        if not item.sent and not item.suspect:
+        if not item.covered and not item.suspect:
             self.unsent -= 1
             if item.block >= 0:
                 self._uncovered[item.block] -= 1
@@ -374,6 +374,8 @@ class Worker:
             del held[id(item)]  # no await from here on: it is parked or settled below
             if attempt.sent_nothing:  # (failed before it had its connection: not a request)
                 self.requests -= 1
+                self.retries -= earlier  # (nor a retry: the ID's next try is, if one left)
+                item.sent = earlier
                 self.sink.put(sent.unsent(earlier))
             if attempt.unanswered:  # possibly billed, whatever comes of the ID now
                 self.unanswered += 1
@@ -441,12 +443,13 @@ class Worker:
     async def _send(self, item: Item, lane: int = 0, first: bool = True,
                     request: Request | None = None) -> Attempt:
         self.in_flight += 1
-        if not item.sent:
-            item.sent = True
+        if not item.covered:
+            item.covered = True
             if not item.suspect:
                 self.ledger.sent_first(item)
-        else:  # a retry: what a try is not charged for too (at the breaker's gate, another key)
+        if item.sent:  # a retry: what a try is not charged for too (the breaker's gate, a key)
             self.retries += 1
+        item.sent = True
         self.flying.add(item.id)
         self.idle.clear()
         self.requests += 1

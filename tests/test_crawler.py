@@ -352,6 +352,37 @@ async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> 
                 ["c"]), 30)
 
 
+async def test_tries_that_sent_nothing_are_no_retries_and_leave_no_doubt(state: Path) -> None:
+    """A try refused at the connect sent nothing, but it marked its ID as sent: the ID's next
+    try counted as a retry (two refused tries: one retry, of no request). Nor is such an ID
+    in doubt when the run ends before its next try."""
+    import socket
+
+    from asyncrawl import Request
+
+    calls: collections.Counter[str] = collections.Counter()
+    with socket.socket() as closed:  # (bound, not listening: a connect is refused)
+        closed.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{closed.getsockname()[1]}/items/x"
+        async with MockAPI(api_key=KEY, faults={}) as api:
+            def build(item: str) -> Request:
+                calls[item] += 1
+                if item != "x":
+                    return Request("GET", api.item_url.replace("{id}", item), {"X-Api-Key": KEY})
+                if calls[item] == 3:  # (the run ends at x's third try, its intent unwritten)
+                    raise LookupError("stop here")
+                return Request("GET", refused, {"X-Api-Key": KEY})
+
+            crawler = Crawler(fast_config(api, state, concurrency=1), request_for=build)
+            with pytest.raises(LookupError):
+                await crawler.run(["a", "b", "x", "c"])
+            seen = api.starts()
+    assert calls["x"] == 3 and "x" not in seen
+    assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL") == []
+    assert db_rows(state, "SELECT sum(sends) FROM items") == [(len(seen),)]
+    assert crawler.progress().retries == 0
+
+
 async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed(
         state: Path) -> None:
     """A timeout after the connect or a dropped connection may come after the server took
