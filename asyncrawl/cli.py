@@ -201,8 +201,16 @@ def _headers(raw: list[str], secrets: set[str], need_env: bool = True) -> dict[s
         name, sep, value = h.partition(":")
         if not sep or not name.strip():
             raise ConfigError("-H expects 'Name: value' (a header name, a colon, the value)")
-        out[name.strip()] = expand_env(value.strip(), "-H", None, secrets, need_env)
+        name = name.strip()
+        out = _without(out, name)  # (a later -H of the same name, in any case, replaces it)
+        out[name] = expand_env(value.strip(), "-H", None, secrets, need_env)
     return out
+
+
+def _without(headers: dict[str, str], *names: str) -> dict[str, str]:
+    """``headers`` less any of ``names``, matched as HTTP does: without regard to case."""
+    drop = {n.lower() for n in names}
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
 
 
 def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bool = True,
@@ -260,7 +268,7 @@ def _config_for_run(args: argparse.Namespace) -> Config:
     headers, secrets = o.pop("_headers"), o.pop("_secrets")
     cfg = load_config(args, need_env=not args.dry_run, **o)
     if headers or secrets:
-        cfg = cfg.with_overrides(headers={**cfg.headers, **headers},
+        cfg = cfg.with_overrides(headers={**_without(dict(cfg.headers), *headers), **headers},
                                  secrets=cfg.secrets | frozenset(secrets))
     return cfg
 

@@ -676,6 +676,12 @@ def _check_values(c: Config) -> None:
     if framing:
         raise bad("headers", f"{framing[0]!r} is the HTTP client's to set (it frames the "
                              "request body): remove it from [request.headers]")
+    seen: dict[str, str] = {}
+    for k in c.headers:
+        if k.strip().lower() in seen:
+            raise bad("headers", f"{seen[k.strip().lower()]!r} and {k!r} are one header (a "
+                                 "header's name has no case): keep one")
+        seen[k.strip().lower()] = k
     _check_keys(c)
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:

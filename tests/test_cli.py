@@ -1118,6 +1118,20 @@ def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -
         assert not (tmp_path / "demo").exists()  # nothing made
 
 
+def test_a_header_flag_replaces_the_header_in_any_case(tmp_path: Path, mock_process: Any) -> None:
+    """-H replaces the file's header of the same name in any case, and an earlier -H (both
+    were sent: the file's revoked key first, which the server took: exit 3)."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    idsf = write_ids(tmp_path / "ids.txt", ["a", "b"])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "s", idsf)
+    r = cli("run", "-c", str(cfg), "--no-progress", "-H", "x-api-key: wrong",
+            "-H", f"X-API-KEY: {KEY}", env={**ENV, "ASYNCRAWL_TEST_KEY": "revoked"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert status_json(cfg)["ok"] == 2
+    with pytest.raises(ConfigError, match="'X-Api-Key' and 'x-api-key' are one header"):
+        Config(url="http://h.example/{id}", headers={"X-Api-Key": "a", "x-api-key": "b"})
+
+
 def test_a_webhook_that_is_not_an_http_url_is_a_config_error_that_does_not_show_it() -> None:
     for hook in ("not a url", "ftp://h.example/x", "https://", "http://h.example:99999/x"):
         with pytest.raises(ConfigError) as e:
