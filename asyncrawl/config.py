@@ -507,7 +507,8 @@ def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_
         def sub(m: re.Match[str]) -> str:
             var = m.group(1)
             if var not in os.environ:
-                if not need_env:
+                if not need_env:  # (a secret as the value would be: the job's identity,
+                    secrets.add(UNSET_ENV + var)  # redacted, is the same without it)
                     return UNSET_ENV + var
                 raise ConfigError(f"environment variable ${{{var}}} is not set (export it first)",
                                   key=key, path=path)

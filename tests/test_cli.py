@@ -922,9 +922,13 @@ def test_status_export_and_dry_run_work_without_the_api_key(tmp_path: Path, mock
     assert "ASYNCRAWL_TEST_KEY" not in os.environ
     mock = mock_process("--api-key", KEY, "--faults", "none")
     ids = [f"k{i:02d}" for i in range(30)]
+    # (a variable in a parameter not named as a secret: the dry run took its placeholder for
+    # another job's parameter, exit 2)
     cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
-                       write_ids(tmp_path / "ids.txt", ids), billing={"price_per_call": 0.01})
-    r = cli("run", "-c", str(cfg), "--no-progress", "--max-requests", "10", env=ENV)
+                       write_ids(tmp_path / "ids.txt", ids), billing={"price_per_call": 0.01},
+                       request__params={"tenant": "${ASYNCRAWL_TEST_TENANT}"})
+    r = cli("run", "-c", str(cfg), "--no-progress", "--max-requests", "10",
+            env={**ENV, "ASYNCRAWL_TEST_TENANT": "acme"})
     assert r.returncode == 4, r.stderr
     sent = len(read_log(mock.log_path))
 
