@@ -43,7 +43,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import http1
-from .config import _SECRET_PARAM, Config
+from .config import _SECRET_PARAM, DEFAULT_RETRYABLE, Config
 from .errors import ConfigError
 from .retry import parse_retry_after
 from .types import ErrorKind
@@ -259,7 +259,9 @@ def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | Non
 
 
 def status_class(status: int, config: Config) -> Outcome:
-    """The class of an HTTP status per the config's sets (SPEC §2)."""
+    """The class of an HTTP status per the config's sets (SPEC §2). A status in none of them:
+    2xx ok, 3xx and 4xx skip, 5xx retried while ``retryable`` is the default (a list of the
+    user's own names every status retried: another 5xx is a skip), anything else retried."""
     if status in config.fatal:
         return Outcome.FATAL
     if status in config.retryable:
@@ -268,7 +270,9 @@ def status_class(status: int, config: Config) -> Outcome:
         return Outcome.SKIP
     if 200 <= status < 300:
         return Outcome.OK
-    if 400 <= status < 500 or 300 <= status < 400:
+    if 300 <= status < 500:
+        return Outcome.SKIP
+    if 500 <= status < 600 and config.retryable != DEFAULT_RETRYABLE:
         return Outcome.SKIP
     return Outcome.RETRY
 

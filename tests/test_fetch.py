@@ -363,6 +363,11 @@ async def test_configured_status_sets_win(server: Server, session: aiohttp.Clien
     assert (await attempt(session, url, "503", **kw)).outcome is Outcome.SKIP
     assert (await attempt(session, url, "418", **kw)).outcome is Outcome.FATAL
     assert (await attempt(session, url, "401", **kw)).outcome is Outcome.SKIP  # no longer fatal
+    # a retryable list of one's own names what is retried: another 5xx is a skip (500 was
+    # retried with retryable = [429])
+    for code in ("500", "501", "599"):
+        assert (await attempt(session, url, code, retryable=[429])).outcome is Outcome.SKIP
+    assert (await attempt(session, url, "501")).outcome is Outcome.RETRY  # (the default: 5xx)
 
 
 @pytest.mark.parametrize(("ra", "expected"), [("7", 7.0), ("0", 0.0), ("2.5", 2.5), ("soon", None)])
