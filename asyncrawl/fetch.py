@@ -23,6 +23,7 @@ when ``follow_redirects = "any"`` it carries no secret header or value.
 from __future__ import annotations
 
 import base64
+import codecs
 import contextvars
 import enum
 import errno
@@ -407,8 +408,11 @@ class Fetcher:
                     ) as resp:
                         status, answered = resp.status, resp.headers
                         if status not in REDIRECTS or "Location" not in answered:
-                            return self._classify(item_id, status, answered,
-                                                  await self._read(resp))
+                            try:
+                                body = await self._read(resp)
+                            except (aiohttp.ClientError, OSError) as e:  # (TimeoutError too)
+                                return self._broken(item_id, status, answered, e)
+                            return self._classify(item_id, status, answered, body)
                 hop_to = self._redirect(status, answered["Location"], url, headers, hop)
                 if isinstance(hop_to, Attempt):
                     return hop_to
@@ -416,6 +420,8 @@ class Fetcher:
                 if status == 303:  # "see other": fetch it, do not resend the body
                     method, body, data = "GET", None, None
             raise AssertionError("unreachable")  # pragma: no cover
+        except http1.BrokenAnswer as e:  # (the lean client's: its head came, not its body)
+            return self._broken(item_id, e.status, e.headers, e.cause)
         except http1.ConnectError as e:  # (the lean client's: nothing was sent)
             if isinstance(e.os_error, ssl.SSLCertVerificationError):
                 return self._certificate(e.os_error, first=hop == 0)
@@ -444,15 +450,22 @@ class Fetcher:
         """Where a redirect leads (its URL, and the headers to send there: none secret if to
         another origin), or the ``Attempt`` that ends here: not followed, too many, invalid."""
         cfg = self.config
-        # the server's bytes as text that can be stored (not UTF-8: escaped, not surrogates)
-        location = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        # the server's bytes as text that can be stored and shown (not UTF-8: escaped, not
+        # surrogates; control characters, a terminal's escapes among them, escaped too)
+        location = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", location.encode(
+            "utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
         try:
-            target = url.join(URL(location))
+            given = URL(location)
+            target = url.join(given)
             same = target.origin() == url.origin()
             (target.raw_host or "").encode("idna")  # (an empty or over-long label: invalid)
         except ValueError:  # not a URL, or one without a host (mailto:, data:)
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
                 f"redirect to an invalid Location {location}"[:500]), kind=ErrorKind.REDIRECT)
+        if given.user is not None or given.password is not None:  # the server's credentials:
+            return Attempt(Outcome.SKIP, status, error=cfg.redact(  # never sent (nor shown)
+                f"redirect not followed: its Location carries credentials "
+                f"({given.with_user(None)})"[:500]), kind=ErrorKind.REDIRECT)
         allowed = cfg.follow_redirects == "any" or (
             same and cfg.follow_redirects == "same-origin")
         if not allowed or hop == cfg.max_redirects:
@@ -506,6 +519,18 @@ class Fetcher:
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def _broken(self, item_id: str, status: int, headers: Mapping[str, str],
+                e: BaseException) -> Attempt:
+        """An answer whose head came and whose body did not come whole (cut short, the server
+        silent, an encoding that does not decode). Its status stands: a 2xx was paid for, an
+        answer that cannot be used (bought again at most ``paid_retries`` times), and any
+        other is what it says (a 402 halts; a 429 or a 503 waits as its Retry-After asks)."""
+        if not 200 <= status < 300:
+            return self._classify(item_id, status, headers, b"")
+        why = self._timeout_error(e) if isinstance(e, TimeoutError) else _describe(e)
+        return Attempt(Outcome.RETRY, status, error=self.config.redact(
+            f"HTTP {status}, its body not whole: {why}")[:500], billable=True, kind=ErrorKind.BODY)
+
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
                   body: bytes | None) -> Attempt:
         cfg = self.config
@@ -515,9 +540,13 @@ class Fetcher:
             except orjson.JSONDecodeError:
                 pass  # classified below
         retry_after = None if status < 300 else parse_retry_after(headers.get("Retry-After"))
-        if body is None:
-            return Attempt(Outcome.SKIP, status, error=f"body larger than {cfg.max_body_bytes} bytes",
-                           billable=200 <= status < 300, kind=ErrorKind.TOO_LARGE)
+        if body is None:  # (over the limit: a 2xx is an answer paid for that cannot be used,
+            if not 200 <= status < 300:  # any other status is what it says)
+                return self._classify(item_id, status, headers, b"")
+            return Attempt(Outcome.RETRY, status, error=f"body larger than {cfg.max_body_bytes} "
+                           "bytes", billable=True, kind=ErrorKind.TOO_LARGE)
+        if body[:3] == codecs.BOM_UTF8 and cfg.response_format != "bytes":  # (some servers'
+            body = body[3:]  # UTF-8 begins with one: not JSON, nor text)
         data, body_ok = _parse(body, cfg.response_format)
         outcome = status_class(status, cfg)
         effective = status
@@ -744,6 +773,9 @@ def _connect_error(e: aiohttp.ClientConnectorError | http1.ConnectError) -> tupl
 
 # a handshake cut off (the peer closed or reset it): as a dropped connection, not a TLS error
 _SSL_CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def _describe(e: BaseException) -> str:

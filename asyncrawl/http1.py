@@ -95,6 +95,15 @@ class ProtocolError(OSError):
     """The answer is not HTTP/1.1 this client reads (malformed, an upgrade, a bad encoding)."""
 
 
+class BrokenAnswer(OSError):
+    """An answer's head came (``status``, ``headers``), and its body did not come whole:
+    ``cause`` says why (cut short, the server silent, an encoding that does not decode)."""
+
+    def __init__(self, status: int, headers: CIMultiDictProxy[str], cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.status, self.headers, self.cause = status, headers, cause
+
+
 def wanted() -> bool:
     """Whether crawls use this client: ``ASYNCRAWL_HTTP`` is ``auto`` (or unset) and aiohttp has
     its compiled parser; ``aiohttp`` keeps aiohttp's client for every request. (``httptools``,
@@ -375,6 +384,10 @@ class _Connection(asyncio.Protocol):
         self.transport.write(payload)  # type: ignore[union-attr]
         return waiter
 
+    def head(self) -> tuple[int, CIMultiDictProxy[str]] | None:
+        """The status and headers of the answer under way, once its head has come."""
+        return (self._status, self._headers) if self._payload is not None else None
+
     def _on_timer(self) -> None:
         self._timer = None
         if self.waiter is None:
@@ -498,6 +511,12 @@ class Client:
             conn = await self._connect(loop, key, connect, deadline)
         try:
             answer = await conn.send(payload, limit, deadline, silence)
+        except OSError as e:  # (TimeoutError, Disconnected, ProtocolError)
+            conn.close()
+            head = conn.head()
+            if head is None:
+                raise
+            raise BrokenAnswer(*head, e) from e
         except BaseException:
             conn.close()
             raise

@@ -396,7 +396,9 @@ async def test_body_at_limit_is_read(server: Server, session: aiohttp.ClientSess
 
 async def test_body_over_limit_with_length(server: Server, session: aiohttp.ClientSession) -> None:
     a = await attempt(session, server.base + "/r/{id}", "over-limit")
-    assert a.outcome is Outcome.SKIP
+    # an answer paid for that cannot be used: bought again at most paid_retries times (a skip
+    # was bought again in pass 2 whatever paid_retries said)
+    assert a.outcome is Outcome.RETRY and a.billable
     assert a.status == 200
     assert a.error is not None and str(LIMIT) in a.error
 
@@ -404,7 +406,7 @@ async def test_body_over_limit_with_length(server: Server, session: aiohttp.Clie
 @pytest.mark.parametrize("name", ["plain-cl", "plain-chunked", "gzip-random-chunked"])
 async def test_huge_body_is_cut_off(server: Server, session: aiohttp.ClientSession, name: str) -> None:
     a = await attempt(session, server.base + "/stream/{id}", name)
-    assert a.outcome is Outcome.SKIP, a
+    assert a.outcome is Outcome.RETRY and a.billable, a
     assert a.error is not None and str(LIMIT) in a.error
     await asyncio.wait_for(server.done[name].wait(), 10)
     assert server.sent[name] < 64 << 20  # the client hung up long before the end
@@ -414,7 +416,7 @@ async def test_huge_body_is_cut_off(server: Server, session: aiohttp.ClientSessi
 async def test_gzip_bomb_is_cut_off(server: Server, session: aiohttp.ClientSession, path: str) -> None:
     """Bodies that are small on the wire but decompress beyond the limit."""
     a = await attempt(session, server.base + path.rsplit("/", 1)[0] + "/{id}", path.rsplit("/", 1)[1])
-    assert a.outcome is Outcome.SKIP, a
+    assert a.outcome is Outcome.RETRY and a.billable, a
     assert a.error is not None and str(LIMIT) in a.error
 
 
@@ -571,6 +573,102 @@ async def test_redirect_to_invalid_location_is_skip(server: Server, session: aio
     assert a.outcome is Outcome.SKIP
     assert a.status == 302
     assert a.error is not None and location in a.error
+
+
+@pytest.mark.parametrize("location", ["http://evil:pw@{netloc}/items/b", "//evil:pw@{netloc}/x"])
+async def test_a_redirect_with_credentials_in_its_location_is_not_followed(
+        server: Server, session: aiohttp.ClientSession, location: str) -> None:
+    """A Location with a user and password was followed (the server's credentials sent as
+    Basic auth), or with an Authorization header of one's own raised out of the fetcher: the
+    run ended with exit 1, and every rerun the same."""
+    to = location.format(netloc=server.netloc)
+    for headers in (HEADERS, {**HEADERS, "Authorization": "Bearer k-secret"}):
+        a = await attempt(session, redirect_url(server, to), "x", headers=headers)
+        assert (a.outcome, a.status) == (Outcome.SKIP, 302), a
+        assert a.error is not None and "credentials" in a.error and "pw" not in a.error
+    assert len(server.hits) == 2  # (the redirects only)
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[Callable[[bytes, bool], Awaitable[str]]]:
+    """Servers that send ``answer``'s bytes as they are, whatever was asked, then close the
+    connection (``stall``: keep it open, silent); each one's item URL."""
+    servers: list[asyncio.Server] = []
+    handlers: set[asyncio.Task[Any]] = set()
+    release = asyncio.Event()
+
+    async def start(answer: bytes, stall: bool = False) -> str:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            handlers.add(asyncio.current_task())  # type: ignore[arg-type]
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer)
+                if stall:
+                    await release.wait()
+            writer.close()
+
+        srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/items/{{id}}"
+
+    yield start
+    release.set()
+    for srv in servers:
+        srv.close()
+    await asyncio.wait_for(asyncio.gather(*handlers), 10)
+
+
+async def test_a_location_s_control_characters_are_escaped(
+        raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession) -> None:
+    """A terminal's escapes in a Location were stored, and shown by status and export."""
+    url = await raw(b"HTTP/1.1 302 Found\r\nLocation: http://other.example/\x1b[2Jx\r\n"
+                    b"Content-Length: 0\r\n\r\n")
+    a = await attempt(session, url, "x")
+    assert a.outcome is Outcome.SKIP and a.error is not None
+    assert "\x1b" not in a.error and "\\x1b[2Jx" in a.error, a.error
+
+
+# -- an answer whose head came and whose body did not ------------------------------------------
+
+
+@pytest.mark.parametrize(("status", "outcome"), [
+    (402, Outcome.FATAL), (401, Outcome.FATAL), (503, Outcome.RETRY), (429, Outcome.RETRY),
+    (404, Outcome.SKIP)])
+@pytest.mark.parametrize("how", ["cut", "stalled", "too-large"])
+async def test_a_status_stands_when_its_body_does_not_come_whole(
+        raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession,
+        status: int, outcome: Outcome, how: str) -> None:
+    """A 402 whose body was cut short, stalled or was over the limit was a network error (or a
+    skip): retried, and every ID ended unavailable with exit 0 instead of a halt; a 503's
+    Retry-After was not heard."""
+    length = LIMIT + 1 if how == "too-large" else 100
+    url = await raw(b"HTTP/1.1 %d X\r\nRetry-After: 7\r\nContent-Length: %d\r\n\r\n{\"a\""
+                    % (status, length), how == "stalled")
+    a = await attempt(session, url, "x", timeout=0.5)
+    assert (a.outcome, a.status, a.billable, a.unanswered) == (outcome, status, False, False), a
+    if status in (429, 503):
+        assert a.retry_after == 7.0
+
+
+@pytest.mark.parametrize("how", ["cut", "stalled"])
+async def test_a_2xx_whose_body_does_not_come_whole_was_paid_for(
+        raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession,
+        how: str) -> None:
+    """It was a network error, not billable: bought again max_tries times in each pass (ten
+    times by default), where an answer paid for that cannot be used is bought again at most
+    paid_retries times."""
+    url = await raw(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\"", how == "stalled")
+    a = await attempt(session, url, "x", timeout=0.5)
+    assert (a.outcome, a.status, a.billable, a.unanswered) == (Outcome.RETRY, 200, True, False), a
+    assert a.error is not None and "body not whole" in a.error
+
+
+async def test_json_after_a_byte_order_mark_is_json(
+        raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession) -> None:
+    body = b'\xef\xbb\xbf{"a": 1}'
+    url = await raw(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    a = await attempt(session, url, "x")
+    assert (a.outcome, a.data, a.body) == (Outcome.OK, {"a": 1}, b'{"a": 1}'), a
 
 
 async def test_numeric_header_values_are_sent_as_text(server: Server, session: aiohttp.ClientSession,
