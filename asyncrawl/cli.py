@@ -136,6 +136,9 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
                      help="do not verify TLS certificates (a warning is printed on every run)")
     run.add_argument("--no-second-pass", action="store_true",
                      help="do not retry failed IDs after the cool-down (exit 6 if any are left)")
+    run.add_argument("--recheck-unavailable", action="store_true",
+                     help="try the IDs confirmed unavailable by earlier runs again ([passes] "
+                          "recheck_unavailable)")
     run.add_argument("--reuse-state", action="store_true",
                      help="use a state directory made by a job with another URL, method or "
                           "parameters: keep what it settled, fetch the rest from the new address")
@@ -196,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _headers(raw: list[str], secrets: set[str], need_env: bool = True) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for h in raw:
         name, sep, value = h.partition(":")
         if not sep or not name.strip():
@@ -247,6 +250,7 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
         "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
         "reuse_state": True if args.reuse_state else None,
+        "recheck_unavailable": True if args.recheck_unavailable else None,
         "method": args.method, "json": _json_flag(args.json_body), "body": args.data,
         "proxy": args.proxy and expand_env(args.proxy, "--proxy", None, secrets,
                                            need_env=not args.dry_run),
@@ -563,6 +567,8 @@ def _dry_run(config: Config, ids_path: str) -> int:
     if store is not None:  # (another job's state: its run would refuse it, and so does this)
         check_job(config, store.job)
 
+    final = {"ok"} if config.recheck_unavailable else SETTLED  # (what the run would skip)
+
     async def count() -> tuple[int, int, int]:
         seen = SeenIds()  # on disk: flat memory for any length of list
         unique = left = done = 0
@@ -573,7 +579,7 @@ def _dry_run(config: Config, ids_path: str) -> int:
             fresh = await asyncio.to_thread(seen.fresh, chunk)
             unique += len(fresh)
             states = await store.lookup(fresh) if store is not None and fresh else {}
-            settled = sum(1 for item in fresh if states.get(item) in SETTLED)
+            settled = sum(1 for item in fresh if states.get(item) in final)
             done, left = done + settled, left + len(fresh) - settled
 
         try:

@@ -115,6 +115,7 @@ class Config:
     second_pass: bool = True
     cooldown: float = 60.0
     recheck_permanent: bool = True
+    recheck_unavailable: bool = False  # this run tries the IDs confirmed unavailable again
     state_dir: str = "state"
     state_url: str | None = None  # a PostgreSQL database, for a job shared by many processes
     job: str = "default"  # the job's name in that database
@@ -405,6 +406,7 @@ TOML_KEYS: dict[str, str] = {
     "passes.second_pass": "second_pass",
     "passes.cooldown": "cooldown",
     "passes.recheck_permanent": "recheck_permanent",
+    "passes.recheck_unavailable": "recheck_unavailable",
     "state.dir": "state_dir",
     "state.url": "state_url",
     "state.job": "job",
@@ -586,8 +588,8 @@ def _check_types(c: Config) -> None:
                 v = int(v)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
-        elif name in ("second_pass", "recheck_permanent", "verify_tls", "adaptive", "breaker",
-                      "reuse_state"):
+        elif name in ("second_pass", "recheck_permanent", "recheck_unavailable", "verify_tls",
+                      "adaptive", "breaker", "reuse_state"):
             if not isinstance(v, bool):
                 raise bad(name, f"must be true or false, got {v!r}")
         elif name in ("url", "method", "state_dir", "jitter", "currency", "follow_redirects",

@@ -514,6 +514,10 @@ class PgStore:
                        (_jsonb(job), self.job_name))
         self._gen = db.execute("SELECT generation FROM asyncrawl_jobs WHERE job = %s",
                                (self.job_name,)).fetchone()[0]
+        if extra.get("recheck"):  # the IDs confirmed unavailable in an earlier generation are
+            db.execute("UPDATE asyncrawl_items SET state = 'failed' WHERE job = %s AND "  # failed
+                       "state = 'unavailable' AND generation < %s",  # again: its pass 1's
+                       (self.job_name, self._gen))
         # merging from the start: no other run takes the job for done between this run's
         # registration and its first IDs (its merge clears the flag when it is through)
         run, started = db.execute(

@@ -55,6 +55,7 @@ log = logging.getLogger("asyncrawl")
 
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
 REFUSED_AFTER = 20  # answers, all refusing alike (``fetch.REFUSING``) before any other, that halt it
+_RECHECKED = frozenset({"ok"})  # the states a run with recheck_unavailable does not fetch again
 
 # IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
 # and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
@@ -188,8 +189,13 @@ class Run:
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every,
                  publish=shared.publish_live if shared is not None else None),
             name="asyncrawl-progress")
-        start = Record("run", extra={"version": __version__, "pid": os.getpid(),
-                                     "job": cfg.job_identity(), "source": ident})
+        begin: dict[str, Any] = {"version": __version__, "pid": os.getpid(),
+                                 "job": cfg.job_identity(), "source": ident}
+        if cfg.recheck_unavailable:  # (a shared job's store makes them failed again: claimed)
+            begin["recheck"] = True
+            log.info("IDs confirmed unavailable by earlier runs are tried again "
+                     "(recheck_unavailable)")
+        start = Record("run", extra=begin)
         job: _Shared | None = None
         error: BaseException | None = None  # (or the run's cancellation)
         try:
@@ -351,7 +357,9 @@ class Run:
                     yield todo, -1, None
             return
         assert ident is not None
-        start = await asyncio.to_thread(store.resume_point, ident)
+        # (the state holds no unavailable IDs before the frontier: a recheck reads it all)
+        start = None if self.config.recheck_unavailable else await asyncio.to_thread(
+            store.resume_point, ident)
         unique, line, offset = 0, 0, 0
         if start is not None:
             self.resumed = True
@@ -425,9 +433,10 @@ class Run:
         tally, history = self.tally, self.history
         fresh, duplicates = await store.admit(chunk)
         tally.duplicates += duplicates
+        settled = _RECHECKED if self.config.recheck_unavailable else SETTLED
         todo = []
         for item, was in fresh:
-            if was in SETTLED:
+            if was in settled:
                 tally.skipped += 1
                 continue
             if was is not None:  # failed in an earlier run

@@ -781,6 +781,33 @@ def test_the_commands_that_send_nothing_load_neither_the_http_stack_nor_asyncio(
         assert (r.returncode, r.stdout.strip()) == (0, "0 True []"), (argv, r.stdout, r.stderr)
 
 
+def test_recheck_unavailable_tries_the_unavailable_ids_again_and_nothing_else(
+        tmp_path: Path, mock_process: Any) -> None:
+    """SPEC §4: later runs skip ok and unavailable IDs "unless asked to recheck": there was no
+    way to ask (a new state directory would buy every ok ID again). A rerun of the same file
+    reads on from its frontier: the unavailable IDs before it come from the state."""
+    mock = mock_process("--api-key", KEY, "--faults", "demo")
+    ids = [f"r{i}" for i in range(300)]
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ids))
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    gone = {line.strip() for line in cli("export", "-c", str(cfg), "--outcome", "unavailable",
+                                         "--format", "ids", env=ENV).stdout.splitlines()}
+    ok = status_json(cfg)["ok"]
+    assert gone and ok + len(gone) == len(ids)
+    seen = len(mock.settled_log())
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)  # (not asked: nothing to do)
+    assert r.returncode == 0 and len(mock.settled_log()) == seen, r.stderr
+    r = cli("run", "-c", str(cfg), "--dry-run", "--recheck-unavailable", env=ENV)
+    assert f"calls left: {len(gone)}" in r.stdout, r.stdout + r.stderr
+    r = cli("run", "-c", str(cfg), "--no-progress", "--recheck-unavailable", env=ENV)
+    assert r.returncode == 0, r.stderr
+    again = starts(mock.settled_log()[seen:])
+    assert set(again) == gone  # each of them tried again (the mock's still fail), no ok ID
+    assert status_json(cfg)["ok"] == ok
+
+
 # -- 8. secrets --------------------------------------------------------------------------------
 
 

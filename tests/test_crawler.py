@@ -352,6 +352,26 @@ async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> 
                 ["c"]), 30)
 
 
+async def recheck_unavailable(configure: Any) -> None:
+    """Of a job whose ID "gone" was confirmed unavailable (the API has it now): a rerun skips
+    it, a rerun with ``recheck_unavailable`` fetches it, and nothing else again."""
+    faults = {"gone": Fault("not_found")}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        config: Config = configure(api)
+        ids = ["gone", *(f"a{i}" for i in range(20))]
+        s = await Crawler(config).run(ids)
+        assert (s.ok, s.unavailable, len(api.starts())) == (20, 1, 22)  # (404: one try a pass)
+        del faults["gone"]
+        s = await Crawler(config).run(ids)
+        assert (s.ok, s.unavailable, len(api.starts())) == (20, 1, 22)
+        s = await Crawler(config.with_overrides(recheck_unavailable=True)).run(ids)
+        assert (s.ok, s.unavailable, api.starts()[22:]) == (21, 0, ["gone"])
+
+
+async def test_recheck_unavailable_fetches_what_was_given_up_on(state: Path) -> None:
+    await recheck_unavailable(lambda api: fast_config(api, state))
+
+
 async def test_tries_that_sent_nothing_are_no_retries_and_leave_no_doubt(state: Path) -> None:
     """A try refused at the connect sent nothing, but it marked its ID as sent: the ID's next
     try counted as a retry (two refused tries: one retry, of no request). Nor is such an ID

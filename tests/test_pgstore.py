@@ -105,6 +105,12 @@ async def test_library_crawl_into_a_job_and_a_rerun_adds_only_new_ids(job: str) 
     assert {item: orjson.loads(raw) for item, raw in payloads} == ok
 
 
+async def test_recheck_unavailable_in_a_shared_job(job: str) -> None:
+    from .test_crawler import recheck_unavailable
+
+    await recheck_unavailable(lambda api: fast_config(api, Path("unused"), state_url=PG, job=job))
+
+
 async def test_pass_2_of_a_shared_job_waits_for_pass_1_s_failures_to_be_written(
         job: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pass 2 of a shared job claims the job's failures from the database, at once with no
