@@ -73,7 +73,8 @@ class Meter:
         self.configured_rate = configured_rate
         self.started = time.monotonic()
         self.pass2 = (0, 0)
-        self._samples: list[tuple[float, int]] = []
+        # (the start: the first snapshot's rate is over the run so far, not 0)
+        self._samples: list[tuple[float, int]] = [(self.started, 0)]
 
     def __repr__(self) -> str:
         return f"<Meter total={self.total} pass2={self.pass2} {self.tally!r}>"

@@ -882,6 +882,8 @@ def test_periodic_progress_lines_off_a_terminal(tmp_path: Path, mock_process: An
     progress = [ln for ln in r.stderr.splitlines() if "req/s" in ln]
     assert len(progress) >= 2, r.stderr
     assert all(re.search(r"\bok \d+", ln) for ln in progress)
+    # the first line's rate is the run's so far (it said 0 req/s, with requests done)
+    assert re.search(r"\b[1-9][\d,]* req/s", progress[0]), progress[0]
     assert "\r" not in r.stderr and "\x1b[" not in r.stderr  # no terminal redraws in a pipe
 
     r = run("without", "--no-progress")
