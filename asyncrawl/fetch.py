@@ -663,6 +663,12 @@ class Connector(aiohttp.TCPConnector):
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
         conn = await super().connect(req, traces, timeout)
+        while conn.protocol is not None and conn.protocol.should_close:
+            # a pooled connection that holds bytes nobody asked for (an answer the server sent
+            # while it was idle): aiohttp would hand them to this request as its answer, and
+            # each later answer on it to the request after (aio-libs/aiohttp#13656)
+            conn.close()
+            conn = await super().connect(req, traces, timeout)
         _CONNECTED.set(True)
         return conn
 

@@ -663,6 +663,38 @@ async def test_a_2xx_whose_body_does_not_come_whole_was_paid_for(
     assert a.error is not None and "body not whole" in a.error
 
 
+async def test_an_answer_nobody_asked_for_is_nobody_s(session: aiohttp.ClientSession) -> None:
+    """An answer a server sends on an idle keep-alive connection was taken by aiohttp's pool
+    as the next request's answer, and every later answer on it as the one after's: each ID
+    recorded ok with another's body (aio-libs/aiohttp#13656; asyncrawl's own client drops
+    such a connection)."""
+    from asyncrawl.fetch import new_session
+
+    def answer(item: bytes) -> bytes:
+        body = b'{"id": "%s"}' % item
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                writer.write(answer(head.split(b" ")[1].rsplit(b"/", 1)[1]))
+                await asyncio.sleep(0.02)
+                writer.write(answer(b"stray"))  # (once the answer is in: while it is idle)
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    cfg = config(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/items/{{id}}")
+    try:
+        async with new_session(cfg) as own:
+            fetcher = Fetcher(own, cfg)
+            for item in ("a", "b", "c"):
+                a = await fetcher.attempt(item)
+                assert (a.outcome, a.data) == (Outcome.OK, {"id": item}), a
+                await asyncio.sleep(0.1)  # (the stray answer comes in meanwhile)
+    finally:
+        srv.close()
+
+
 async def test_json_after_a_byte_order_mark_is_json(
         raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession) -> None:
     body = b'\xef\xbb\xbf{"a": 1}'
