@@ -33,6 +33,7 @@ import re
 import socket
 import ssl
 import urllib.request
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -502,21 +503,39 @@ class Fetcher:
         return "timeout"
 
     async def _read(self, resp: aiohttp.ClientResponse) -> bytes | None:
-        """The body, or ``None`` when it is larger than ``max_body_bytes`` (after decoding)."""
+        """The body, or ``None`` when it is larger than ``max_body_bytes`` (after decoding).
+        A session that leaves the decoding to this (``new_session``'s) has gzip and deflate
+        decoded by ``http1.Inflate``: a stream that does not end whole is an error."""
         limit = self.config.max_body_bytes
         length = resp.content_length
+        coding = resp.headers.get("Content-Encoding", "").strip().lower()
         if length is not None:
             if length > limit:
                 return None
-            if "Content-Encoding" not in resp.headers:  # no decompression: cannot grow
+            if not coding:  # no decompression: cannot grow
                 return await resp.read()
+        inflate = None
+        if coding in ("gzip", "x-gzip", "deflate") and not self.session.auto_decompress:
+            inflate = http1.Inflate(coding, limit)
         chunks: list[bytes] = []
         size = 0
-        async for chunk in resp.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
+        try:
+            async for chunk in resp.content.iter_any():
+                if inflate is not None:
+                    chunk = inflate.feed(chunk)  # type: ignore[assignment]
+                    if chunk is None:
+                        return None
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+            if inflate is not None:
+                tail = inflate.flush()
+                if tail is None:
+                    return None
+                chunks.append(tail)
+        except zlib.error as e:
+            raise http1.ProtocolError(f"cannot decode content-encoding {coding}: {e}") from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _broken(self, item_id: str, status: int, headers: Mapping[str, str],
@@ -684,7 +703,11 @@ def new_session(config: Config) -> aiohttp.ClientSession:
     is a retryable failure decided by asyncrawl's own policy instead. Pass the result as
     ``Crawler(config, session=...)`` to share one session and keep that guarantee."""
     connector = Connector(limit=config.concurrency, ttl_dns_cache=300)
-    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+    # (bodies decoded by ``Fetcher._read``, as asyncrawl's own client does: aiohttp's decoder
+    # takes a gzip stream cut short, or without its end, for a whole body)
+    session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
+                                    auto_decompress=False,
+                                    headers={"Accept-Encoding": "gzip, deflate"})
     session._retry_connection = False
     return session
 

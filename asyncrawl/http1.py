@@ -124,7 +124,7 @@ class Answer:
         self.status, self.headers, self.body = status, headers, body
 
 
-class _Inflate:
+class Inflate:
     """``gzip`` / ``deflate`` decoding bounded by ``limit`` bytes of output (a bomb stops
     there). ``deflate`` is zlib-wrapped by the RFC and raw from some servers: the first byte
     tells which (as aiohttp reads it). A gzip body may hold several members (RFC 1952 §2.2).
@@ -194,7 +194,7 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._status = 0
         self._encoding = ""
-        self._inflate: _Inflate | None = None
+        self._inflate: Inflate | None = None
         self._keep_alive = False
         self._head_bytes = 0
         self._fed_body = False
@@ -305,7 +305,7 @@ class _Connection(asyncio.Protocol):
             return
         self._encoding = headers.get("Content-Encoding", "").strip().lower()
         if self._encoding in ("gzip", "x-gzip", "deflate") and length != 0:
-            self._inflate = _Inflate(self._encoding, self._limit)
+            self._inflate = Inflate(self._encoding, self._limit)
         # (another coding was not asked for: its body is kept as it came, as aiohttp does)
 
     def _read_body(self) -> None:
@@ -371,7 +371,7 @@ class _Connection(asyncio.Protocol):
         self.parser = HttpResponseParser(
             self,  # type: ignore[arg-type]  # (it calls only what a _Connection has)
             self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
-            read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``_Inflate``)
+            read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``Inflate``)
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
         self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
         self._encoding, self._inflate = "", None

@@ -695,6 +695,25 @@ async def test_an_answer_nobody_asked_for_is_nobody_s(session: aiohttp.ClientSes
         srv.close()
 
 
+@pytest.mark.parametrize("cut", ["half", "no-trailer"])
+async def test_a_compressed_body_that_does_not_end_whole_is_not_ok(
+        raw: Callable[[bytes, bool], Awaitable[str]], cut: str) -> None:
+    """aiohttp's decoder took a gzip stream cut in half, or without its trailer, for a whole
+    body: with format = "text", part of a page was recorded ok. A session asyncrawl makes
+    decodes as its own client does."""
+    from asyncrawl.fetch import new_session
+
+    packed = gzip.compress(random.Random(7).randbytes(20_000).hex().encode())
+    packed = packed[:len(packed) // 2] if cut == "half" else packed[:-8]
+    url = await raw(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(packed), packed))
+    cfg = config(url, response_format="text")
+    async with new_session(cfg) as own:
+        a = await Fetcher(own, cfg).attempt("x")
+    assert (a.outcome, a.status, a.billable) == (Outcome.RETRY, 200, True), a
+    assert a.error is not None and "compressed stream ends early" in a.error, a.error
+
+
 async def test_json_after_a_byte_order_mark_is_json(
         raw: Callable[[bytes, bool], Awaitable[str]], session: aiohttp.ClientSession) -> None:
     body = b'\xef\xbb\xbf{"a": 1}'
