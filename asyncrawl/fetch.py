@@ -520,11 +520,10 @@ class Fetcher:
         chunks: list[bytes] = []
         size = 0
         try:
-            async for chunk in resp.content.iter_any():
-                if inflate is not None:
-                    chunk = inflate.feed(chunk)  # type: ignore[assignment]
-                    if chunk is None:
-                        return None
+            async for raw in resp.content.iter_any():
+                chunk = raw if inflate is None else inflate.feed(raw)
+                if chunk is None:
+                    return None
                 size += len(chunk)
                 if size > limit:
                     return None
@@ -682,7 +681,9 @@ class Connector(aiohttp.TCPConnector):
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
         conn = await super().connect(req, traces, timeout)
-        while conn.protocol is not None and conn.protocol.should_close:
+        for _ in range(self.limit + 1):  # (the pool's, and then new ones: a server that talks
+            if conn.protocol is None or not conn.protocol.should_close:  # first fails anyway)
+                break
             # a pooled connection that holds bytes nobody asked for (an answer the server sent
             # while it was idle): aiohttp would hand them to this request as its answer, and
             # each later answer on it to the request after (aio-libs/aiohttp#13656)
