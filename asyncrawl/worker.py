@@ -479,7 +479,7 @@ class Worker:
                 else ""
             self.stop.set(Halt("fatal", attempt.status, self.config.redact(
                 f"fatal response {attempt.error or attempt.status}{every}")))
-            if attempt.billable:  # unsettled but billed: its bill is recorded at the pass's end
+            if item.paid:  # unsettled, billed now or by an earlier try: recorded at the pass's end
                 self.held[id(item)] = item
             return
         if not verdict.charged:

@@ -352,6 +352,20 @@ async def test_a_request_hook_that_raises_leaves_no_id_in_doubt(state: Path) -> 
                 ["c"]), 30)
 
 
+async def test_a_halt_on_the_retry_of_an_id_bought_before_keeps_its_bill(state: Path) -> None:
+    """An ID whose paid answer did not parse, halted on its retry by a 402: its earlier bill
+    was dropped (the server billed 100, status said 96), and a rerun bought it again with
+    nothing recorded against it."""
+    faults = {f"n{i}": Fault("invalid_json", times=1) for i in range(4)}
+    async with MockAPI(api_key=KEY, faults=faults, balance=26) as api:  # (the 26 good ones)
+        cfg = fast_config(api, state, concurrency=2, backoff_base=0.5, backoff_max=0.5,
+                          jitter="none")
+        s = await Crawler(cfg).run([f"n{i}" for i in range(30)])
+        assert s.halt is not None and s.halt.status == 402
+        billed = api.counts()[200]  # (an answer that does not parse is billed too)
+    assert billed == 30 and status(cfg)["billable"] == billed
+
+
 async def recheck_unavailable(configure: Any) -> None:
     """Of a job whose ID "gone" was confirmed unavailable (the API has it now): a rerun skips
     it, a rerun with ``recheck_unavailable`` fetches it, and nothing else again."""
