@@ -379,8 +379,9 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
     if s.duplicates:
         rows.append(("duplicates", f"{s.duplicates:,} (fetched once)"))
     rows.append(("requests", f"{s.requests:,} ({s.billable:,} billable, {s.retries:,} retries"
-                             + (f", {s.unanswered:,} unanswered: possibly billed, see "
-                                "`asyncrawl status`" if s.unanswered else "") + ")"))
+                             + (f", {s.unanswered:,} unanswered: possibly billed; the IDs: "
+                                "`asyncrawl export --outcome unanswered`" if s.unanswered
+                                else "") + ")"))
     if errors:
         rows.append(("errors", " · ".join(f"{k} × {n:,}" for k, n in errors)))
     if price is not None:
