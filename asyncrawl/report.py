@@ -11,6 +11,7 @@ import contextlib
 import csv
 import itertools
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -199,24 +200,28 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
 
         if fields:  # a misspelt field is an error, not an empty column
             _check_fields(rows(), fields, lambda row: row)
-        return write_parquet(rows, Path(path), fields, _get, _MISSING)
+        target, special = _output(path)
+        if special:  # (pyarrow seeks in what it writes)
+            raise ConfigError(f"--format parquet writes a regular file; {path} is not one",
+                              key="--output")
+        return write_parquet(rows, target, fields, _get, _MISSING)
     if fmt == "ids" and outcome not in _ID_LISTS:
         blocks = read_store(config.state, job=config.job).ids(outcome)
         if path is None:
             assert out is not None
             return _write_ids(blocks, out)
-        return _atomically(Path(path), lambda f: _write_ids(blocks, f))
+        return _to_file(path, lambda f: _write_ids(blocks, f))
     if fmt == "jsonl" and outcome == "ok":
         payloads = read_store(config.state, job=config.job).payloads()
         if path is None:
             assert out is not None
             return _write_ok_jsonl(payloads, out)
-        return _atomically(Path(path), lambda f: _write_ok_jsonl(payloads, f))
+        return _to_file(path, lambda f: _write_ok_jsonl(payloads, f))
     records = _records(config, outcome)
     if path is None:
         assert out is not None
         return _write(records, outcome, fmt, fields, out)
-    return _atomically(Path(path), lambda f: _write(records, outcome, fmt, fields, f))
+    return _to_file(path, lambda f: _write(records, outcome, fmt, fields, f))
 
 
 def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -> int:
@@ -261,6 +266,30 @@ def _write_ids(blocks: Iterator[list[str]], out: TextIO) -> int:
         n += len(block)
         out.write("\n".join(block) + "\n")
     return n
+
+
+def _output(path: str) -> tuple[Path, bool]:
+    """Where ``-o PATH`` writes: the file a symbolic link names (the link stays a link), and
+    whether that is a device, a FIFO or a socket (``/dev/stdout``, a named pipe), written into
+    as it is: a rename over it would put a regular file in its place."""
+    target = Path(os.path.realpath(path))
+    try:
+        st = os.stat(target)
+    except OSError:
+        return target, False
+    return target, not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
+def _to_file(path: str, write: Callable[[TextIO], int]) -> int:
+    """``write`` to ``path``: atomically (``_atomically``), or straight into a special file."""
+    target, special = _output(path)
+    if not special:
+        return _atomically(target, write)
+    try:
+        with open(target, "w", encoding="utf-8", newline="") as f:
+            return write(f)
+    except OSError as e:
+        raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
 
 
 def _atomically(target: Path, write: Callable[[TextIO], int]) -> int:

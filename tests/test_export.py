@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrawl import Config
+from asyncrawl import Config, ConfigError
 from asyncrawl.records import Record
 from asyncrawl.report import export
 
@@ -97,3 +97,37 @@ def test_an_export_file_has_a_new_file_s_mode_or_keeps_the_one_it_replaces(
         os.umask(umask)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["state", f"new.{fmt}", f"kept.{fmt}"])  # no temp file left
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "ids", "parquet"])
+def test_an_export_into_a_fifo_a_device_or_a_link_leaves_them_what_they_are(
+        tmp_path: Path, fmt: str) -> None:
+    """-o renamed a regular file over its target: /dev/null, /dev/stdout or a named pipe
+    became a regular file (its reader got nothing), a symbolic link a file of its own."""
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    import threading
+
+    cfg = _state(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    null = tmp_path / "null"
+    os.symlink("/dev/null", null)  # (writing through it; /dev/null itself is the machine's)
+    if fmt == "parquet":  # (pyarrow seeks in what it writes: a regular file only)
+        for special in (fifo, null):
+            with pytest.raises(ConfigError, match="parquet writes a regular file"):
+                export(cfg, fmt=fmt, path=str(special))
+    got: list[bytes] = []
+    if fmt != "parquet":
+        reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+        reader.start()
+        assert export(cfg, fmt=fmt, path=str(fifo)) == 3
+        reader.join(10)
+        assert stat.S_ISFIFO(fifo.lstat().st_mode) and got and len(got[0]) > 10
+        assert export(cfg, fmt=fmt, path=str(null)) == 3
+        assert null.is_symlink() and stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    target = tmp_path / f"target.{fmt}"
+    link = tmp_path / "link"
+    os.symlink(target.name, link)
+    assert export(cfg, fmt=fmt, path=str(link)) == 3
+    assert link.is_symlink() and target.stat().st_size > 10
