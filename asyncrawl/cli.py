@@ -450,6 +450,7 @@ def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: 
 
 
 SPOOL = "asyncrawl-ids-"  # IDs read once (stdin, a pipe) are copied to a file of that name
+SPOOL_LINE = 1 << 20  # bytes of one line past which the copy stops (the check says what is wrong)
 STALE_SPOOL = 60.0  # seconds: a copy at least this old that nobody holds was a killed run's
 
 
@@ -457,7 +458,10 @@ def _spool(source: BinaryIO) -> tuple[str, int]:
     """Copy IDs that can be read only once (stdin, a pipe) to a temporary file (a run reads its
     IDs file more than once): its path and an open descriptor, flock()ed while the run lives.
     The run removes it at its end; one that was killed (``kill -9``) could not: the next run
-    that copies IDs removes such leftovers."""
+    that copies IDs removes such leftovers. The copy stops at bytes that are not UTF-8, or at a
+    line longer than ``SPOOL_LINE``: what is copied is checked as any IDs file is (exit 2, the
+    line named), instead of copying ``/dev/zero`` or ``/dev/urandom`` until the disk is full."""
+    import codecs
     import fcntl
     import tempfile
 
@@ -475,9 +479,19 @@ def _spool(source: BinaryIO) -> tuple[str, int]:
                 os.close(held)
     fd, path = tempfile.mkstemp(prefix=SPOOL)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    line = 0  # bytes since the last line end
     with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
         while chunk := source.read(1 << 20):
             f.write(chunk)
+            end = chunk.rfind(b"\n")
+            line = len(chunk) - end - 1 if end >= 0 else line + len(chunk)
+            try:
+                utf8.decode(chunk)
+            except UnicodeDecodeError:
+                break
+            if line > SPOOL_LINE:
+                break
     return path, fd
 
 

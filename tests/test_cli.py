@@ -20,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -660,6 +661,18 @@ def test_no_second_pass_exits_6_and_ids_from_stdin(tmp_path: Path, mock_process:
     r = cli("run", "-c", str(cfg), "--ids", "-", "--no-progress", env=ENV,
             stdin="a\nb\n" + "x" * 2000 + "\n")
     assert r.returncode == 2 and "<stdin>:3: " in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_ids_from_an_endless_device_are_an_input_error_not_a_full_disk(
+        tmp_path: Path, device: str) -> None:
+    """IDs read once are copied to a file first: --ids /dev/zero copied gigabytes (until the
+    disk was full) before any line was checked."""
+    spools = set(Path(tempfile.gettempdir()).glob("asyncrawl-ids-*"))
+    r = cli("run", "--ids", device, "--url", "http://127.0.0.1:9/items/{id}", "--state",
+            str(tmp_path / "s"), "--no-progress", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and f"{device}:1:" in r.stderr, r.stderr
+    assert set(Path(tempfile.gettempdir()).glob("asyncrawl-ids-*")) == spools  # (removed)
 
 
 def test_the_stdin_copy_of_a_killed_run_is_removed_by_the_next(tmp_path: Path,
