@@ -338,7 +338,7 @@ def _check(item: object, n: int) -> str:
     problem = _problem(item)
     if problem:
         raise InputError(problem, path="<ids>", line=n)
-    return item
+    return item if type(item) is str else str.__str__(item)  # (a StrEnum's: the plain text)
 
 
 class SeenIds:

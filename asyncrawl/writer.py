@@ -395,7 +395,13 @@ class ProcessWriter(_Reporting):
             _answer(batch, Commit.FAILED)
             self._reported(len(batch))
         elif batch:
-            seq = self.proc.send(rec for rec, _ in batch)
+            try:
+                seq = self.proc.send(rec for rec, _ in batch)
+            except Exception as e:  # (a callback's: raised, it would leave the batch's waiters
+                self._batch = batch + self._batch  # unanswered, and the run waiting for ever)
+                self._fail(e if isinstance(e, StorageError) else StorageError(
+                    f"cannot hand records to the writing process: {e.__class__.__name__}: {e}"))
+                return
             logged = [e for e in batch if e[0].kind in self._logged]
             if logged:
                 self._to_log.append((seq, logged))

@@ -366,6 +366,22 @@ async def test_a_halt_on_the_retry_of_an_id_bought_before_keeps_its_bill(state: 
     assert billed == 30 and status(cfg)["billable"] == billed
 
 
+async def test_ids_of_a_str_subclass_are_crawled_as_their_text(state: Path, api: MockAPI) -> None:
+    """An ID of a str subclass (a StrEnum's member) passed the checks, then could not be
+    handed to the writing process: the run waited for ever."""
+    import enum
+
+    class Kind(enum.StrEnum):
+        A = "a1"
+
+    class Tag(str):
+        pass
+
+    s = await asyncio.wait_for(Crawler(fast_config(api, state)).run([Kind.A, Tag("t1")]), 30)
+    assert (s.ok, s.halt) == (2, None)
+    assert sorted(r["id"] for r in exported(fast_config(api, state))) == ["a1", "t1"]
+
+
 async def recheck_unavailable(configure: Any) -> None:
     """Of a job whose ID "gone" was confirmed unavailable (the API has it now): a rerun skips
     it, a rerun with ``recheck_unavailable`` fetches it, and nothing else again."""
