@@ -272,8 +272,13 @@ def _config_for_run(args: argparse.Namespace) -> Config:
     headers, secrets = o.pop("_headers"), o.pop("_secrets")
     cfg = load_config(args, need_env=not args.dry_run, **o)
     if headers or secrets:
-        cfg = cfg.with_overrides(headers={**_without(dict(cfg.headers), *headers), **headers},
-                                 secrets=cfg.secrets | frozenset(secrets))
+        try:
+            cfg = cfg.with_overrides(headers={**_without(dict(cfg.headers), *headers), **headers},
+                                     secrets=cfg.secrets | frozenset(secrets))
+        except ConfigError as e:  # (a header of -H's: the flag's error)
+            if e.key != "request.headers" or not any(n in e.message for n in map(repr, headers)):
+                raise
+            raise ConfigError(e.message, key="-H") from None
     return cfg
 
 

@@ -661,8 +661,9 @@ def _check_values(c: Config) -> None:
         raise bad("follow_redirects", "must be one of none, same-origin, any")
     if c.method not in ("GET", "POST", "HEAD", "PUT", "PATCH"):
         raise bad("method", f"must be GET, POST, HEAD, PUT or PATCH; got {c.method!r}")
-    if c.proxy is not None and not c.proxy.startswith(("http://", "https://")):
-        raise bad("proxy", f"must be an http:// or https:// URL, got {c.redact(c.proxy)!r}")
+    if c.proxy is not None and not _is_http_url(c.proxy):
+        raise bad("proxy", f"must be an http:// or https:// URL with a host (and a port "
+                           f"1-65535), got {c.redact(c.proxy)!r}")
     if c.webhook is not None and not _is_http_url(c.webhook):  # (found now, not at a halt)
         raise bad("webhook", "must be an http:// or https:// URL with a host (not shown: "
                   "a webhook's URL is a secret)")
@@ -681,11 +682,19 @@ def _check_values(c: Config) -> None:
                              "request body): remove it from [request.headers]")
     seen: dict[str, str] = {}
     for k in c.headers:
+        if not _TOKEN(k):
+            raise bad("headers", f"{k!r} is not a header name (letters, digits and "
+                                 "!#$%&'*+-.^_`|~ only)")
         if k.strip().lower() in seen:
             raise bad("headers", f"{seen[k.strip().lower()]!r} and {k!r} are one header (a "
                                  "header's name has no case): keep one")
         seen[k.strip().lower()] = k
     _check_keys(c)
+    authorized = "authorization" in seen or (
+        bool(c.keys) and c.key_param is None and c.key_header.lower() == "authorization")
+    if authorized and "@" in c.url.split("://", 1)[-1].split("/", 1)[0]:
+        raise bad("url", "has a user and password (user:password@host), and the requests an "
+                         "Authorization header too: give the credentials one way")
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
     if overlap:
         raise _overlap(c, min(overlap))
@@ -764,9 +773,11 @@ def validate_url_template(url: str, params: Mapping[str, str], *, in_body: bool 
     probe = url.replace("{id}", "ID")
     try:
         parts = urlsplit(probe)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number 0-65535
+        port = parts.port  # (raises ValueError for a port that is not a number 0-65535)
     except ValueError as e:
         raise ConfigError(f"invalid URL: {e}", key=key) from None
+    if port == 0:
+        raise ConfigError("port 0 is no port a server listens on (1-65535)", key=key)
     if parts.scheme not in ("http", "https"):
         raise ConfigError(f"must start with http:// or https://, got {url!r}", key=key)
     if not parts.hostname:
@@ -790,6 +801,7 @@ def validate_url_template(url: str, params: Mapping[str, str], *, in_body: bool 
 
 
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+").fullmatch  # RFC 9110 §5.6.2
 
 
 def _check_ca_bundle(path: str) -> None:

@@ -45,7 +45,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import http1
-from .config import _SECRET_PARAM, DEFAULT_RETRYABLE, Config
+from .config import _SECRET_PARAM, DEFAULT_RETRYABLE, Config, _is_http_url
 from .errors import ConfigError
 from .retry import parse_retry_after
 from .types import ErrorKind
@@ -729,7 +729,12 @@ def env_proxy(url_template: str) -> str | None:
     if not parts.hostname or urllib.request.proxy_bypass_environment(  # type: ignore[attr-defined]
             parts.hostname, proxies):  # (the stdlib's, which typeshed does not list)
         return None
-    return proxies.get(parts.scheme) or proxies.get("all")
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if proxy and not _is_http_url(proxy):  # (not shown: it may hold a password)
+        raise ConfigError(f"the proxy that {parts.scheme.upper()}_PROXY (or ALL_PROXY) names in "
+                          "the environment is not an http:// or https:// URL with a host (and "
+                          "a port 1-65535): fix it, or unset it")
+    return proxy
 
 
 def client_timeout(config: Config) -> aiohttp.ClientTimeout:

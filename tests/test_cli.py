@@ -1178,6 +1178,22 @@ def test_a_header_flag_replaces_the_header_in_any_case(tmp_path: Path, mock_proc
         Config(url="http://h.example/{id}", headers={"X-Api-Key": "a", "x-api-key": "b"})
 
 
+def test_a_header_or_a_proxy_no_request_could_carry_stops_the_run_before_any(
+        tmp_path: Path, mock_process: Any) -> None:
+    """-H with a name that is no header name, and a proxy in the environment that is no URL:
+    each request failed (400s, or InvalidURL for ~15 s), and every ID ended unavailable with
+    exit 0, so that later runs skipped them."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "s",
+                       write_ids(tmp_path / "ids.txt", ["a", "b"]))
+    r = cli("run", "-c", str(cfg), "--no-progress", "-H", "X-é: 1", env=ENV)
+    assert r.returncode == 2 and "-H: 'X-é' is not a header name" in r.stderr, r.stderr
+    r = cli("run", "-c", str(cfg), "--no-progress",
+            env={**ENV, "HTTP_PROXY": "http://[::1", "NO_PROXY": "", "no_proxy": ""})
+    assert r.returncode == 2 and "HTTP_PROXY" in r.stderr and "[::1" not in r.stderr, r.stderr
+    assert read_log(mock.log_path) == []
+
+
 def test_a_webhook_that_is_not_an_http_url_is_a_config_error_that_does_not_show_it() -> None:
     for hook in ("not a url", "ftp://h.example/x", "https://", "http://h.example:99999/x"):
         with pytest.raises(ConfigError) as e:

@@ -387,3 +387,25 @@ def test_from_dict_raises_only_config_error(doc: dict[str, Any]) -> None:
     else:
         assert isinstance(cfg, Config)
         assert cfg.rate > 0 and cfg.concurrency > 0 and "{id}" not in cfg.url.split("/")[2]
+
+
+@pytest.mark.parametrize(("kw", "key", "said"), [
+    ({"headers": {"X-é": "1"}}, "request.headers", "is not a header name"),
+    ({"headers": {"a b": "1"}}, "request.headers", "is not a header name"),
+    ({"headers": {"": "1"}}, "request.headers", "is not a header name"),
+    ({"url": "http://h.example:0/{id}"}, "request.url", "port 0"),
+    ({"proxy": "http://[::1"}, "request.proxy", "with a host"),
+    ({"proxy": "http://127.0.0.1:99999"}, "request.proxy", "with a host"),
+    ({"proxy": "http://"}, "request.proxy", "with a host"),
+    ({"url": "http://u:p@h.example/{id}", "headers": {"Authorization": "Bearer x"}},
+     "request.url", "give the credentials one way"),
+    ({"url": "http://u:p@h.example/{id}", "keys": ["k1"]}, "request.url", "one way"),
+])
+def test_what_no_request_could_carry_is_a_config_error(kw: dict, key: str, said: str) -> None:
+    """Each passed the checks, then every request failed: a header name HTTP has no room for
+    (the server answered 400 to all: every ID unavailable, exit 0; or the client refused it
+    after the ID's intent: exit 1 and every ID in doubt), a proxy that is no URL (every ID
+    unavailable), port 0 (sent to port 80)."""
+    with pytest.raises(ConfigError) as e:
+        Config(**{"url": "http://h.example/{id}", **kw})
+    assert e.value.key == key and said in str(e.value), e.value
