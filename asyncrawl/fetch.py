@@ -45,7 +45,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import http1
-from .config import _SECRET_PARAM, DEFAULT_RETRYABLE, Config, _is_http_url
+from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
 from .errors import ConfigError
 from .retry import parse_retry_after
 from .types import ErrorKind
@@ -350,9 +350,7 @@ class Fetcher:
         if not isinstance(req, Request):
             raise ConfigError(f"request_for returned {type(req).__name__} for ID {item_id!r}: "
                               "it must return an asyncrawl.Request")
-        url, headers = req.url, req.headers
-        if not isinstance(url, URL):  # (a str: a redirect joins onto it as a URL)
-            url = URL(url)
+        url, headers = _checked(req, item_id)
         if self.config.keys:  # the hook builds the request; the key is the lane's
             url, headers = with_key(self.config, self.config.keys[lane], url, headers)
         return Request(req.method, url, headers, req.json)
@@ -811,6 +809,36 @@ _SSL_CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _checked(req: Request, item_id: str) -> tuple[URL, Mapping[str, str]]:
+    """A ``request_for`` hook's request, checked before its intent is written (what no
+    request could carry raised in the client after it: the ID was left in doubt, and the run
+    ended with exit 1): its URL (a ``URL``) and headers; else ``ConfigError``."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"request_for returned a Request for ID {item_id!r} with {what}")
+
+    if not isinstance(req.method, str) or not _TOKEN(req.method):
+        raise bad(f"the method {req.method!r:.40}")
+    try:
+        url = req.url if isinstance(req.url, URL) else URL(req.url)
+    except (TypeError, ValueError):
+        raise bad(f"the URL {req.url!r:.60}, which is not one") from None
+    if url.scheme not in ("http", "https") or not url.raw_host:
+        raise bad("a URL that is not http:// or https:// with a host")
+    headers = req.headers
+    if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and _TOKEN(k) and isinstance(v, str) and not _CONTROL.search(v)
+            for k, v in headers.items()):
+        raise bad("headers that are not header names and text values (no line breaks)")
+    if url.user is not None and any(k.lower() == "authorization" for k in headers):
+        raise bad("a user and password in the URL and an Authorization header")
+    if req.json is not None:
+        try:
+            orjson.dumps(req.json)
+        except TypeError as e:
+            raise bad(f"a json body that is not JSON ({e})") from None
+    return url, headers
 
 
 def _describe(e: BaseException) -> str:

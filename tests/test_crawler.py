@@ -17,7 +17,17 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from asyncrawl import Config, ConfigError, Crawler, InputError, Outcome, Progress, Response, Result
+from asyncrawl import (
+    Config,
+    ConfigError,
+    Crawler,
+    InputError,
+    Outcome,
+    Progress,
+    Request,
+    Response,
+    Result,
+)
 from asyncrawl.progress import summary_text
 from asyncrawl.report import export, status, status_text
 from asyncrawl.testing import Fault, MockAPI, payload_for
@@ -452,6 +462,27 @@ async def test_tries_that_sent_nothing_are_no_retries_and_leave_no_doubt(state: 
     assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL") == []
     assert db_rows(state, "SELECT sum(sends) FROM items") == [(len(seen),)]
     assert crawler.progress().retries == 0
+
+
+@pytest.mark.parametrize("made", [
+    lambda url: Request("G ET", url), lambda url: Request(None, url),  # type: ignore[arg-type]
+    lambda url: Request("GET", "ftp://h.example/x"), lambda url: Request("GET", 5),
+    lambda url: Request("GET", url, {"a b": "1"}), lambda url: Request("GET", url, {"": "1"}),
+    lambda url: Request("GET", url, {"X": "1\r\nY: 2"}), lambda url: Request("GET", url, [1]),
+    lambda url: Request("POST", url, json=object()),
+    lambda url: Request("GET", url.replace("http://", "http://u:p@"), {"Authorization": "x"}),
+])
+async def test_a_request_no_client_could_send_is_a_config_error_with_nothing_in_doubt(
+        state: Path, made: Any) -> None:
+    """request_for's request that no client can send (a method or a header name that is no
+    token, a URL that is not http(s), a body that is not JSON) raised in the client after the
+    ID's intent: the run ended with a traceback (exit 1) and the ID in doubt, possibly billed."""
+    async with MockAPI(api_key=KEY) as api:
+        with pytest.raises(ConfigError, match="request_for returned a Request for ID 'a'"):
+            await Crawler(fast_config(api, state), request_for=lambda item: made(
+                api.item_url.replace("{id}", item))).run(["a"])
+        assert api.starts() == []
+    assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL OR sends > 0") == []
 
 
 async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed(
