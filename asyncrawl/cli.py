@@ -265,6 +265,8 @@ def _json_flag(text: str | None) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise ConfigError(f"is not JSON: {e}", key="--json") from None
+    except RecursionError:
+        raise ConfigError("is nested too deeply", key="--json") from None
 
 
 def _config_for_run(args: argparse.Namespace) -> Config:

@@ -41,6 +41,7 @@ DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials
 MAX_ID_LENGTH = 1024
+MAX_CONCURRENCY = 10_000  # requests in flight: more is no rate-limited API's
 MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT, 0.3 s)
 UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
 
@@ -219,6 +220,8 @@ class Config:
             raise ConfigError(f"cannot read config file: {e.__class__.__name__}", path=p) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"invalid TOML: {e}", path=p) from None
+        except RecursionError:
+            raise ConfigError("invalid TOML: nested too deeply", path=p) from None
         try:
             return cls.from_dict(doc, path=p, need_env=need_env, need_url=need_url, **overrides)
         except ConfigError as e:  # about a key of the file: its line too
@@ -356,7 +359,9 @@ class Config:
         if self.max_requests is not None:
             caps.append(self.max_requests)
         if self.max_spend is not None and self.price_per_call:
-            caps.append(math.floor(self.max_spend / self.price_per_call + 1e-9))
+            calls = self.max_spend / self.price_per_call + 1e-9
+            if calls < 2**62:  # (more is no cap: a tiny price made it infinite)
+                caps.append(math.floor(calls))
         return min(caps) if caps else None
 
 
@@ -525,7 +530,9 @@ def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A number a setting can hold: finite, and no more than 10^15 either way (a 400-digit
+    TOML integer is no float: its checks raised ``OverflowError``)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and -1e15 <= v <= 1e15
 
 
 def _is_status(v: Any) -> bool:
@@ -552,8 +559,27 @@ def _check_shapes(c: Config) -> None:
         for code in getattr(c, name):
             if not _is_status(code):
                 raise bad(name, f"must be a list of HTTP status codes (100-599), got {code!r}")
-    if not isinstance(c.method, str):
-        raise bad("method", f"must be a string, got {type(c.method).__name__}")
+    for name in ("method", "key_header", "key_format"):  # (used as text just after)
+        if not isinstance(getattr(c, name), str):
+            raise bad(name, f"must be a string, got {type(getattr(c, name)).__name__}")
+    if c.json is not None:
+        try:
+            odd = _not_json(c.json)
+        except RecursionError:
+            raise bad("json", "is nested too deeply (or holds itself)") from None
+        if odd is not None:
+            raise bad("json", f"holds a {odd}, which JSON has not: write it as a string")
+
+
+def _not_json(value: Any) -> str | None:
+    """The name of a type in a JSON body template that JSON has not (a TOML date), if any."""
+    if isinstance(value, Mapping):
+        return next((t for v in value.values() if (t := _not_json(v))), None)
+    if isinstance(value, list | tuple):
+        return next((t for v in value if (t := _not_json(v))), None)
+    if value is None or isinstance(value, str | bool | int | float):
+        return None
+    return type(value).__name__
 
 
 def _bad(name: str, msg: str) -> ConfigError:
@@ -578,7 +604,9 @@ def _check_types(c: Config) -> None:
             if v is None and name in ("price_per_call", "max_spend", "connect_timeout", "read_timeout"):
                 continue
             if not _is_num(v):
-                raise bad(name, f"must be a number, got {type(v).__name__} {v!r}")
+                what = "at most 10^15" if isinstance(v, int | float) and not isinstance(
+                    v, bool) and v == v else "a number"
+                raise bad(name, f"must be {what}, got {type(v).__name__} {str(v)[:40]}")
         elif name in ("concurrency", "burst", "max_tries", "max_body_bytes", "max_redirects",
                       "max_requests", "paid_retries"):
             if v is None and name == "max_requests":
@@ -588,6 +616,8 @@ def _check_types(c: Config) -> None:
                 v = int(v)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
+            if abs(v) > 10**15:
+                raise bad(name, f"must be at most 10^15, got {str(v)[:40]}")
         elif name in ("second_pass", "recheck_permanent", "recheck_unavailable", "verify_tls",
                       "adaptive", "breaker", "reuse_state"):
             if not isinstance(v, bool):
@@ -627,6 +657,8 @@ def _check_values(c: Config) -> None:
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
+    if c.concurrency > MAX_CONCURRENCY:  # (a task each: 10^8 of them never started)
+        raise bad("concurrency", f"must be at most {MAX_CONCURRENCY:,}, got {c.concurrency!r}")
     if c.lease < MIN_LEASE:
         raise bad("lease", f"must be at least {MIN_LEASE:g} s (several heartbeats: a live "
                   f"process must keep its IDs), got {c.lease!r}")

@@ -409,3 +409,32 @@ def test_what_no_request_could_carry_is_a_config_error(kw: dict, key: str, said:
     with pytest.raises(ConfigError) as e:
         Config(**{"url": "http://h.example/{id}", **kw})
     assert e.value.key == key and said in str(e.value), e.value
+
+
+@pytest.mark.parametrize(("kw", "key", "said"), [
+    ({"rate": 10**400}, "limits.rate", "at most 10^15"),  # (a float of it overflowed)
+    ({"timeout": 10**400}, "request.timeout", "at most 10^15"),
+    ({"burst": 10**400}, "limits.burst", "at most 10^15"),
+    ({"concurrency": 10**8}, "limits.concurrency", "at most 10,000"),  # (never started)
+    ({"keys": ["k"], "key_header": 5, "headers": {"X": "1"}}, "request.key_header", "string"),
+    ({"method": "POST", "json": {"a": __import__("datetime").date(1979, 5, 27)}},
+     "request.json", "holds a date"),
+])
+def test_values_that_raised_past_the_checks_are_config_errors(kw: dict, key: str,
+                                                              said: str) -> None:
+    """Each raised OverflowError, AttributeError or TypeError (exit 1) after the checks."""
+    with pytest.raises(ConfigError) as e:
+        Config(**{"url": "http://h.example/{id}", **kw})
+    assert e.value.key == key and said in str(e.value), e.value
+
+
+def test_a_price_too_small_for_a_budget_caps_nothing_and_deep_nesting_is_an_error(
+        tmp_path: Path) -> None:
+    assert Config(url=URL, price_per_call=5e-324, max_spend=1.0).request_budget is None
+    body: dict = {}
+    body["self"] = body
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        Config(url=URL, method="POST", json=body)
+    p = write(tmp_path, f'[request]\nurl = "{URL}"\nx = {"[" * 5000}{"]" * 5000}\n')
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        Config.load(p)
