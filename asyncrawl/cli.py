@@ -563,11 +563,11 @@ def _known_lines(config: Config, ids_path: str) -> int | None:
     from .source import file_identity
     from .sqlstore import DB, SqliteStore
 
-    if config.state_url is not None or not (Path(config.state_dir) / DB).exists():
-        return None
     try:
+        if config.state_url is not None or not (Path(config.state_dir) / DB).exists():
+            return None
         store = SqliteStore.reader(config.state_dir)
-    except AsyncrawlError:
+    except (AsyncrawlError, OSError):  # (a name too long, say)
         return None  # checked again below, with the error a user can act on
     try:  # (closed at once: the run's writing process is forked from this process, and a
         #    connection to the state left open here would make it spawn one; sqlproc.Zygote)
@@ -659,23 +659,33 @@ DEMO_QUOTA = 1200  # the mock's requests per second; past it: 429 + Retry-After
 def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
+    for flag, value in (("--ids", args.ids), ("--rate", args.rate),
+                        ("--concurrency", args.concurrency)):
+        if not 0 < value <= 1e15:  # (before anything is made: nan and inf too)
+            raise ConfigError(f"must be greater than 0 (and at most 10^15), got {value:g}",
+                              key=flag)
+    state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
+    ids_file = Path(state) / "demo-ids.txt"
+    try:
+        again = ids_file.is_file()
+        if not again and Path(state).is_dir() and any(Path(state).iterdir()):
+            raise ConfigError(f"{state} is not empty and holds no demo's state: give the demo a "
+                              "directory of its own", key="--state")
+        Path(state).mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as e:  # (a file there, no permission, a name too long, NUL)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"cannot make the demo's state directory {state[:200]}: {why}",
+                          key="--state") from None
+    return _demo(args, state, ids_file, again)
+
+
+def _demo(args: argparse.Namespace, state: str, ids_file: Path, again: bool) -> int:
     from .source import prescan_file
     from .testing import MockAPI, demo_faults
 
-    for flag, value in (("--ids", args.ids), ("--rate", args.rate),
-                        ("--concurrency", args.concurrency)):
-        if not value > 0:  # (before anything is made: nan too)
-            raise ConfigError(f"must be greater than 0, got {value:g}", key=flag)
-    state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
-    ids_file = Path(state) / "demo-ids.txt"
     # A demo's state again (its IDs file is there): it resumes, though its mock API listens on
     # another port than the last time, which makes its URL another job's. A directory that
     # holds anything else is not the demo's to write into (a real job's state, say).
-    again = ids_file.is_file()
-    if not again and Path(state).is_dir() and any(Path(state).iterdir()):
-        raise ConfigError(f"{state} is not empty and holds no demo's state: give the demo a "
-                          "directory of its own", key="--state")
-    Path(state).mkdir(parents=True, exist_ok=True)
     with ids_file.open("w") as f:
         for i in range(args.ids):
             f.write(f"note-{i:06d}\n")

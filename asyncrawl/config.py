@@ -657,6 +657,9 @@ def _check_values(c: Config) -> None:
     for name in positive:
         if getattr(c, name) <= 0:
             raise bad(name, f"must be greater than 0, got {getattr(c, name)!r}")
+    for name in ("ids", "state_dir", "state_url", "job", "ca_bundle"):  # (no path or name has
+        if "\x00" in (getattr(c, name) or ""):  # one: ValueError from the system's calls)
+            raise bad(name, "contains a NUL character")
     if c.concurrency > MAX_CONCURRENCY:  # (a task each: 10^8 of them never started)
         raise bad("concurrency", f"must be at most {MAX_CONCURRENCY:,}, got {c.concurrency!r}")
     if c.lease < MIN_LEASE:

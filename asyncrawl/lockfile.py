@@ -11,10 +11,14 @@ import signal
 import time
 from pathlib import Path
 
-from .errors import LockedError, StorageError
+from .errors import ConfigError, LockedError, StorageError
 
 LOCK = "lock"
 DYING_WAIT = 10.0  # seconds to wait for the lock of a run that was killed and is still exiting
+
+# a state directory that cannot be where it is asked to be (not a failing disk: exit 2, not 5)
+_NOT_THERE = frozenset({errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
+                        errno.ENAMETOOLONG, errno.EROFS, errno.EEXIST})
 
 
 def _dying(pid: int) -> bool:
@@ -58,9 +62,13 @@ def lock_state_dir(d: Path) -> int:
             d.mkdir(parents=True, mode=0o700)
             fsync_dir(d.parent)
         elif not d.is_dir():
-            raise StorageError("state path exists and is not a directory", path=d)
+            raise ConfigError("the state directory (--state, [state] dir) is a file here, "
+                              "not a directory", path=d)
         lock_fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
+        if e.errno in _NOT_THERE:  # (where it cannot be: a usage error, not a failing disk)
+            raise ConfigError(f"cannot create the state directory (--state, [state] dir): "
+                              f"{e.strerror}", path=d) from None
         raise StorageError(f"cannot create state directory: {e.strerror}", path=d) from None
     deadline = time.monotonic() + DYING_WAIT
     while True:

@@ -362,8 +362,12 @@ class PgStore:
             for c in conns.values():
                 with contextlib.suppress(Exception):
                     c.close()
+            malformed = _MALFORMED.search(str(e))
+            if malformed:  # no rerun cures these (exit 2, not 5)
+                raise ConfigError(f"{safe_url(url)} is no PostgreSQL URL libpq can read: "
+                                  f"{malformed.group(1)} (check --state / [state] url)") from None
             refusal = _refused(e)
-            if refusal:  # a wrong name in the URL: no rerun cures it (exit 2, not 5)
+            if refusal:  # a wrong name in the URL
                 raise ConfigError(f"the PostgreSQL server at {safe_url(url)} refused the "
                                   f"connection: {refusal} (check the user, password and "
                                   "database in --state / [state] url)") from None
@@ -1180,6 +1184,13 @@ def _connect(url: str, name: str, run: bool) -> Any:
 # or credentials it does not take (libpq gives no SQLSTATE for a failed connect: its text)
 _REFUSALS = re.compile(r'FATAL:\s+((?:database|role) "[^"]*" does not exist|password '
                        r"authentication failed for user \"[^\"]*\"|no pg_hba\.conf entry[^\n]*)")
+
+
+# what libpq says of a URL it cannot read, before it connects
+_MALFORMED = re.compile(r"(invalid (?:port number|\w+ value|URI query parameter|connection "
+                        r"option|percent-encoded token|integer value)[^\n]*|end of string "
+                        r"reached[^\n]*|missing \"=\" after[^\n]*|unterminated quoted "
+                        r"string[^\n]*)")
 
 
 def _refused(e: Exception) -> str | None:

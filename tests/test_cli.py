@@ -1158,10 +1158,14 @@ def test_an_error_in_a_flag_names_the_flag_not_the_config_file(tmp_path: Path) -
     write_config(cfg, "http://127.0.0.1:9/{id}", tmp_path / "s", idsf, limits={"rate": 0})
     r = cli("run", "-c", str(cfg), "--dry-run", env=ENV)
     assert r.returncode == 2 and "c.toml" in r.stderr and "limits.rate" in r.stderr, r.stderr
-    for flag, value in (("--ids", "-5"), ("--rate", "0"), ("--concurrency", "0")):
+    for flag, value in (("--ids", "-5"), ("--rate", "0"), ("--concurrency", "0"),
+                        ("--rate", "inf")):  # (inf: OverflowError, exit 1)
         r = cli("demo", "--state", str(tmp_path / "demo"), flag, value, env=ENV)
         assert r.returncode == 2 and f"{flag}: must be greater than 0" in r.stderr, r.stderr
         assert not (tmp_path / "demo").exists()  # nothing made
+    for where in (idsf, tmp_path / ("x" * 5000)):  # (a file; a name too long: exit 1)
+        r = cli("demo", "--state", str(where), "--ids", "5", env=ENV)
+        assert r.returncode == 2 and "--state: cannot make" in r.stderr, r.stderr
 
 
 def test_a_header_flag_replaces_the_header_in_any_case(tmp_path: Path, mock_process: Any) -> None:

@@ -438,3 +438,10 @@ def test_a_price_too_small_for_a_budget_caps_nothing_and_deep_nesting_is_an_erro
     p = write(tmp_path, f'[request]\nurl = "{URL}"\nx = {"[" * 5000}{"]" * 5000}\n')
     with pytest.raises(ConfigError, match="nested too deeply"):
         Config.load(p)
+
+
+@pytest.mark.parametrize("name", ["ids", "state_dir", "job", "ca_bundle"])
+def test_a_nul_in_a_path_or_a_name_is_a_config_error(name: str) -> None:
+    """It raised ValueError ("embedded null byte") from the system's calls: exit 1."""
+    with pytest.raises(ConfigError, match="contains a NUL character"):
+        Config(url=URL, **{name: "a\x00b"})

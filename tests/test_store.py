@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 import pytest
 
-from asyncrawl import LockedError, StorageError
+from asyncrawl import ConfigError, LockedError, StorageError
 from asyncrawl.lockfile import LOCK
 from asyncrawl.records import Commit, Counts, Record
 from asyncrawl.sqlproc import IntentLog, pending_records
@@ -65,10 +65,16 @@ async def test_open_creates_a_private_database(tmp_path: Path) -> None:
     assert read_store(state).snapshot().runs == 0
 
 
-async def test_open_on_a_file_is_storage_error(tmp_path: Path) -> None:
+async def test_open_on_a_file_is_a_config_error(tmp_path: Path) -> None:
+    """A state directory that cannot be where it is asked to be is a usage error (exit 2),
+    not a failing store (exit 5, which a retrying wrapper reruns)."""
     (tmp_path / "state").write_text("x")
-    with pytest.raises(StorageError, match="not a directory"):
+    with pytest.raises(ConfigError, match="is a file here, not a directory"):
         await open_store(tmp_path / "state")
+    with pytest.raises(ConfigError, match="cannot create the state directory"):
+        await open_store(tmp_path / "state" / "below")  # (ENOTDIR)
+    with pytest.raises(ConfigError, match="cannot create the state directory"):
+        await open_store(tmp_path / ("x" * 5000))  # (ENAMETOOLONG)
 
 
 async def test_writer_group_commits_and_reports_after_the_commit(tmp_path: Path) -> None:
