@@ -330,14 +330,37 @@ class _Console(logging.StreamHandler):
         super().emit(record)
 
 
-def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
+def _log_file(path: str) -> logging.Handler:
+    """``--log-file``: logging's WatchedFileHandler (it reopens the file when logrotate moves
+    it away), which says once on stderr that it cannot write (a full disk: a traceback a line,
+    then exit 1 at its close) and lets the run go on."""
     import logging.handlers
 
-    # WatchedFileHandler reopens the file when logrotate moves it away
+    class LogFile(logging.handlers.WatchedFileHandler):
+        failed = False
+
+        def handleError(self, record: logging.LogRecord) -> None:  # (logging's name)
+            self._failed(sys.exc_info()[1])
+
+        def close(self) -> None:
+            try:
+                super().close()
+            except OSError as e:
+                self._failed(e)
+
+        def _failed(self, e: BaseException | None) -> None:
+            if not self.failed:
+                self.failed = True
+                why = e.strerror if isinstance(e, OSError) and e.strerror else e
+                print(f"asyncrawl: warning: cannot write the log file {path}: {why} (the run "
+                      "goes on)", file=sys.stderr, flush=True)
+
+    return LogFile(path, encoding="utf-8")
+
+
+def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Handler:
     try:
-        handler: logging.Handler = (logging.handlers.WatchedFileHandler(log_file,
-                                                                        encoding="utf-8")
-                                    if log_file else _Console(sys.stderr))
+        handler: logging.Handler = _log_file(log_file) if log_file else _Console(sys.stderr)
     except OSError as e:  # (a missing directory, a directory, no permission: before any work)
         raise ConfigError(f"cannot open {log_file}: {e.strerror or e}", key="--log-file") from None
     handler.setFormatter(_JsonFormatter(config) if fmt == "json"

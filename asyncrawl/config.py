@@ -577,6 +577,8 @@ def _not_json(value: Any) -> str | None:
         return next((t for v in value.values() if (t := _not_json(v))), None)
     if isinstance(value, list | tuple):
         return next((t for v in value if (t := _not_json(v))), None)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # (sent as null)
     if value is None or isinstance(value, str | bool | int | float):
         return None
     return type(value).__name__

@@ -95,10 +95,15 @@ class Crawler:
                 raise ConfigError(f"{name} must be a plain function, not a coroutine function: "
                                   "it is called, never awaited (hand the work to a task or "
                                   "a queue of your own)")
-        if not progress_every > 0:  # (nan too)
-            raise ConfigError(f"progress_every must be greater than 0, got {progress_every!r}")
-        if total is not None and total < 0:
-            raise ConfigError(f"total must be the number of IDs (0 or more), got {total!r}")
+        if not isinstance(progress_every, int | float) or not progress_every > 0:  # (nan too)
+            raise ConfigError(f"progress_every must be a number of seconds greater than 0, "
+                              f"got {progress_every!r:.40}")
+        if total is not None and (not isinstance(total, int) or isinstance(total, bool)
+                                  or total < 0):
+            raise ConfigError(f"total must be the number of IDs (0 or more), got {total!r:.40}")
+        if session is not None and not isinstance(session, aiohttp.ClientSession):
+            raise ConfigError(f"session must be an aiohttp.ClientSession, got "
+                              f"{type(session).__name__}")
         self.config = config
         self.hooks = Hooks(request_for=request_for, classify=classify, on_result=on_result,
                            on_failure=on_failure, on_progress=on_progress, on_halt=on_halt,
@@ -160,6 +165,8 @@ class Crawler:
     def stop(self, reason: str = "signal", *, signum: int | None = None) -> None:
         """Stop the run like SIGINT: no new requests, in-flight ones get the grace period.
         A second call cuts the grace period short."""
+        if signum is not None and (not isinstance(signum, int) or isinstance(signum, bool)):
+            raise ConfigError(f"signum must be a signal number, got {signum!r:.40}")
         for run in self._live:
             run.request_stop(reason, signum)
 
@@ -170,6 +177,11 @@ class Crawler:
         if isinstance(ids, str):  # (an iterable of one-character IDs: never what was meant)
             raise ConfigError("ids is a str: pass an iterable of IDs (a list, say), or set "
                               "[source] ids to a file")
+        if ids is not None and not isinstance(ids, Iterable | AsyncIterable):
+            raise ConfigError(f"ids must be an iterable or an async iterable of str, got "
+                              f"{type(ids).__name__}")
+        if self._session is not None and self._session.closed:
+            raise ConfigError("the session given to the Crawler is closed")
         run = Run(self.config, self.hooks, total=self.total)
         ended = self._live[run] = asyncio.get_running_loop().create_future()
         try:

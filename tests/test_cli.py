@@ -1230,6 +1230,19 @@ def test_an_error_waiting_cannot_cure_stops_the_job_at_once_with_the_fix(
     assert s["requests_sent"] == 0 and s["in_doubt"] == 0, s
 
 
+def test_a_log_file_that_cannot_be_written_is_said_once_and_the_run_goes_on(
+        tmp_path: Path, mock_process: Any) -> None:
+    """A full disk under --log-file: a traceback for every line, then one at the handler's
+    close, and exit 1 after a crawl that had finished."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "s",
+                       write_ids(tmp_path / "ids.txt", ["a", "b"]))
+    r = cli("run", "-c", str(cfg), "--no-progress", "--log-file", "/dev/full", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("cannot write the log file /dev/full") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("where", ["no-such-dir/run.log", "."])
 def test_a_log_file_that_cannot_be_opened_is_a_usage_error(tmp_path: Path, where: str) -> None:
     idsf = write_ids(tmp_path / "ids.txt", ["a"])

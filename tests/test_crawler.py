@@ -392,6 +392,27 @@ async def test_ids_of_a_str_subclass_are_crawled_as_their_text(state: Path, api:
     assert sorted(r["id"] for r in exported(fast_config(api, state))) == ["a1", "t1"]
 
 
+async def test_library_arguments_of_the_wrong_kind_are_config_errors(state: Path,
+                                                                      api: MockAPI) -> None:
+    """Each raised TypeError, AttributeError, RuntimeError or ValueError from deep inside."""
+    cfg = fast_config(api, state)
+    for kw in ({"progress_every": "x"}, {"progress_every": None}, {"total": "x"},
+               {"session": 5}):
+        with pytest.raises(ConfigError):
+            Crawler(cfg, **kw)
+    with pytest.raises(ConfigError, match="ids must be an iterable"):
+        await Crawler(cfg).run(5)  # type: ignore[arg-type]
+    closed = aiohttp.ClientSession()
+    await closed.close()
+    with pytest.raises(ConfigError, match="session given to the Crawler is closed"):
+        await Crawler(cfg, session=closed).run(["a"])
+    with pytest.raises(ConfigError, match="signum"):
+        Crawler(cfg).stop(signum="x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="holds a nan"):  # (sent as null)
+        Config(url=api.item_url, method="POST", json={"a": float("nan")})
+    assert api.starts() == []
+
+
 async def recheck_unavailable(configure: Any) -> None:
     """Of a job whose ID "gone" was confirmed unavailable (the API has it now): a rerun skips
     it, a rerun with ``recheck_unavailable`` fetches it, and nothing else again."""
