@@ -96,7 +96,7 @@ class Crawler:
                                   "it is called, never awaited (hand the work to a task or "
                                   "a queue of your own)")
         if not isinstance(progress_every, int | float) or not progress_every > 0:  # (nan too)
-            raise ConfigError(f"progress_every must be a number of seconds greater than 0, "
+            raise ConfigError(f"progress_every must be greater than 0 (seconds), "
                               f"got {progress_every!r:.40}")
         if total is not None and (not isinstance(total, int) or isinstance(total, bool)
                                   or total < 0):
