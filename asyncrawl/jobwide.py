@@ -33,7 +33,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from .errors import StorageError
 from .governor import Governor
 from .pgstore import BREAKER_HOLD, HEARTBEAT, PgStore
-from .records import Failure
 from .source import IdsFile
 from .types import Halt
 from .worker import Stop
@@ -123,7 +122,7 @@ async def _blocks(chunks: AsyncIterator[list[str]],
 
 async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],
                   batch_size: int, heartbeat: Heartbeat | None = None
-                  ) -> AsyncIterator[list[tuple[str, str | None, Failure]]]:
+                  ) -> AsyncIterator[list[tuple[str, str | None, int | None, str | None, int]]]:
     """Batches of ``(id, state, status, error, tries)`` leased from the job for the pass,
     until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
     ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that

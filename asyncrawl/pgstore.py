@@ -75,7 +75,6 @@ from .records import (
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
     Counts,
-    Failure,
     Record,
     Snapshot,
     call_rows,
@@ -600,14 +599,15 @@ class PgStore:
                            (merging, self._run))
         await asyncio.to_thread(go)
 
-    async def claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, Failure]]:
-        """Lease up to ``n`` IDs of the pass that nobody holds: ``(id, state, what it left)``
-        (its paid answers, its last failure: ``records.Failure``). An ID whose ``sent``
-        intent was committed by a run that is gone is in doubt from now on (possibly
-        billed)."""
+    async def claim(self, pass_no: int, n: int
+                    ) -> list[tuple[str, str | None, int | None, str | None, int]]:
+        """Lease up to ``n`` IDs of the pass that nobody holds: ``(id, state, status, error,
+        tries)``. An ID whose ``sent`` intent was committed by a run that is gone is in doubt
+        from now on (possibly billed)."""
         return await asyncio.to_thread(self._claim, pass_no, n)
 
-    def _claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, Failure]]:
+    def _claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, int | None,
+                                                          str | None, int]]:
         """Claim up to ``n``; in pass 1, while that is not ``n``, take in a block of the job
         and claim the rest, for up to ``TAKE_IN_FOR`` seconds (blocks of IDs the job has
         settled already, a rerun's edited file, may take long: ``taking_in`` says the claim
@@ -643,7 +643,7 @@ class PgStore:
             return None
 
     def _claim_open(self, db: Any, pass_no: int, n: int
-                    ) -> list[tuple[str, str | None, Failure]]:
+                    ) -> list[tuple[str, str | None, int | None, str | None, int]]:
         """Lease up to ``n`` of the pass's item rows that nobody holds."""
         rows = db.execute(f"""
             UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
@@ -660,10 +660,10 @@ class PgStore:
                                 WHERE run = %(run)s AND ended IS NULL FOR SHARE)
                   LIMIT %(n)s FOR UPDATE SKIP LOCKED) AS c
             WHERE i.job = %(job)s AND i.id = c.id
-            RETURNING i.id, i.state, i.paid, i.status, i.error, coalesce(i.tries, 0)""",
+            RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
             {"run": self._run, "lease": self.lease, "job": self.job_name, "gen": self._gen,
              "n": n}).fetchall()
-        return [(item, state, Failure(*rest)) for item, state, *rest in rows]
+        return [tuple(r) for r in rows]
 
     async def pass_left(self, pass_no: int) -> bool:
         """Whether the pass has work anywhere but in this run's hands: IDs another run holds
@@ -844,10 +844,6 @@ class PgStore:
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """(Not used for a shared job: its runs ``merge`` and ``claim``.)"""
-        raise NotImplementedError("a shared job's IDs are merged and claimed")
-
-    async def failures(self, ids: Sequence[str]) -> dict[str, Failure]:
-        """(Not used for a shared job: ``claim`` gives the same.)"""
         raise NotImplementedError("a shared job's IDs are merged and claimed")
 
     async def run_counts(self, *, whole: bool = False) -> Counts:

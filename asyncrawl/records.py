@@ -208,16 +208,6 @@ class Record(_RecordFields):
                                    extra, None, None))
 
 
-class Failure(NamedTuple):
-    """What earlier runs left of an ID that failed: its paid answers (each one that could not
-    be used, or it would be ok), and its last failure's status, error and tries."""
-
-    paid: int
-    status: int | None
-    error: str | None
-    tries: int
-
-
 @dataclass(frozen=True, slots=True)
 class Counts:
     """IDs by state: ``failed`` includes permanent failures; ``pending`` (no outcome yet) is

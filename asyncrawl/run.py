@@ -201,8 +201,7 @@ class Run:
         try:
             if shared is None:
                 writer.put(start)
-                await self._passes(self._first_pass_ids(source, store, ident, writer), session,
-                                   writer)
+                await self._passes(self._first_pass_ids(source, store, ident), session, writer)
             else:
                 await writer.commit(start)  # the run is registered before it claims
                 job = _Shared(shared, Heartbeat(
@@ -347,14 +346,13 @@ class Run:
                 await _finish(ticker)
 
     async def _first_pass_ids(self, source: IdsFile | AsyncIterator[list[str]], store: Store,
-                              ident: dict[str, Any] | None,
-                              writer: AnyWriter) -> AsyncIterator[Chunk]:
+                              ident: dict[str, Any] | None) -> AsyncIterator[Chunk]:
         """The source's IDs minus duplicates and what earlier runs settled (the store dedups:
         memory does not grow with the list). A file the state has seen unchanged is read on
         from its frontier, after what the state holds unsettled before it."""
         if not isinstance(source, IdsFile):
             async for chunk in source:
-                todo, _ = await self._admit(chunk, store, writer)
+                todo, _ = await self._admit(chunk, store)
                 if todo:
                     yield todo, -1, None
             return
@@ -372,14 +370,14 @@ class Run:
             taken = 0
             held = await asyncio.to_thread(list, store.unsettled())
             for chunk in held:  # before the frontier: from the state, not the file
-                todo, _ = await self._admit(chunk, store, writer)
+                todo, _ = await self._admit(chunk, store)
                 taken += len(todo)
                 if todo:
                     yield todo, -1, None
             self.tally.skipped += max(0, unique - taken)
         block = 0
         async for chunk, at in source.marked_chunks(offset, line):
-            todo, fresh = await self._admit(chunk, store, writer) if chunk else ([], 0)
+            todo, fresh = await self._admit(chunk, store) if chunk else ([], 0)
             unique += fresh
             mark = None
             if at is not None:
@@ -416,15 +414,12 @@ class Run:
             async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,
                                        job.heartbeat):
                 todo = []
-                for item, state, was in batch:
-                    bought = state is not None and was.paid > cfg.paid_retries
-                    if bought or (pass_no == 2 and state == "perm" and not cfg.recheck_permanent):
-                        writer.put(_unavailable(item, was.tries, was.status, was.error,
-                                                permanent=state == "perm"))
-                        continue  # (never buy an unusable answer again, in any run)
-                    if state is not None and (pass_no == 1 or was.paid):  # failed before (pass
-                        history[item] = Item(  # 1: in an earlier generation, no evidence of
-                            item, suspect=pass_no == 1, unusable=was.paid)  # an outage)
+                for item, state, status, error, tries in batch:
+                    if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:
+                        writer.put(_unavailable(item, tries, status, error, permanent=True))
+                        continue
+                    if state is not None and pass_no == 1:  # failed in an earlier generation:
+                        history[item] = Item(item, suspect=True)  # no evidence of an outage
                     todo.append(item)
                 if todo:
                     await job.heartbeat.at_work()  # (re-joins first if it was idle)
@@ -432,33 +427,21 @@ class Run:
         except StorageError as e:
             self._on_storage_error(e)
 
-    async def _admit(self, chunk: list[str], store: Store,
-                     writer: AnyWriter) -> tuple[list[str], int]:
+    async def _admit(self, chunk: list[str], store: Store) -> tuple[list[str], int]:
         """Of a chunk, the IDs to fetch (not seen before in this run, not settled), and how
-        many were not seen before. One whose paid answers could not be used more often than
-        ``paid_retries`` allows (in earlier runs) is settled unavailable, not bought again."""
-        tally, history, cfg = self.tally, self.history, self.config
+        many were not seen before."""
+        tally, history = self.tally, self.history
         fresh, duplicates = await store.admit(chunk)
         tally.duplicates += duplicates
-        settled = _RECHECKED if cfg.recheck_unavailable else SETTLED
-        todo, before = [], {}
+        settled = _RECHECKED if self.config.recheck_unavailable else SETTLED
+        todo = []
         for item, was in fresh:
             if was in settled:
                 tally.skipped += 1
                 continue
-            if was is not None:  # failed in an earlier run (or unavailable, rechecked)
-                before[item] = was
+            if was is not None:  # failed in an earlier run
+                history[item] = Item(item, suspect=True)
             todo.append(item)
-        if before:
-            failures = await store.failures(list(before))
-            for item, was in before.items():
-                f = failures.get(item)
-                if f is not None and f.paid > cfg.paid_retries:
-                    writer.put(_unavailable(item, f.tries, f.status, f.error,
-                                            permanent=was == "perm"))
-                else:
-                    history[item] = Item(item, suspect=True, unusable=f.paid if f else 0)
-            todo = [item for item in todo if item not in before or item in history]
         return todo, len(fresh)
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],

@@ -72,7 +72,6 @@ from .records import (
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
     Counts,
-    Failure,
     Record,
     Snapshot,
     call_rows,
@@ -437,18 +436,6 @@ class SqliteStore:
     def _lookup(self, ids: list[str]) -> dict[str, str]:
         with self._reading():
             return _states(self._reader or self._db, ids)
-
-    async def failures(self, ids: Sequence[str]) -> dict[str, Failure]:
-        """Of ``ids``, those the state holds failed (or unavailable): what earlier runs left."""
-        return await _off_loop(self._failures, list(ids))
-
-    def _failures(self, ids: list[str]) -> dict[str, Failure]:
-        with self._reading():
-            rows = (self._reader or self._db).execute(
-                "SELECT id, paid, status, error, coalesce(tries, 0) FROM items WHERE id IN "
-                "(SELECT value FROM json_each(?)) AND state IN ('failed', 'perm', 'unavailable')",
-                (orjson.dumps(ids).decode(),)).fetchall()
-        return {item: Failure(*rest) for item, *rest in rows}
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """Of a chunk of this run's IDs, those it has not seen before, in order, with their

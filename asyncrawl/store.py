@@ -21,8 +21,6 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            a chunk of IDs that have one (awaitable: a database answers off the loop)
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
                            (in order, with their state) and how many were duplicates
-``failures(ids)``          of those, the ones held failed: their paid answers and last failure
-                           (``records.Failure``), for ``[retry] paid_retries`` across runs
 ``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
 ``resume_point(source)``   where a run of an unchanged IDs file may read on (``None``: from the
                            start), ``unsettled()`` the IDs held unsettled before that point,
@@ -61,7 +59,7 @@ from typing import Any, Protocol, overload
 
 from .config import is_url
 from .errors import ConfigError
-from .records import Counts, Failure, Record, Snapshot
+from .records import Counts, Record, Snapshot
 from .sqlstore import SqliteStore
 
 
@@ -76,8 +74,6 @@ class Store(Protocol):
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]: ...
-
-    async def failures(self, ids: Sequence[str]) -> dict[str, Failure]: ...
 
     async def run_counts(self, *, whole: bool = False) -> Counts: ...
 

@@ -429,27 +429,6 @@ async def recheck_unavailable(configure: Any) -> None:
         assert (s.ok, s.unavailable, api.starts()[22:]) == (21, 0, ["gone"])
 
 
-async def paid_retries_across_runs(configure: Any) -> None:
-    """An ID whose paid answers never parse is bought at most 1 + paid_retries times in all:
-    each rerun bought it 1 + paid_retries times again (2, 4, 6 ... at the server); a rerun, or
-    a recheck, settles it unavailable without a call."""
-    faults = {"bad": Fault("invalid_json", times=1000)}
-    async with MockAPI(api_key=KEY, faults=faults) as api:
-        config: Config = configure(api).with_overrides(second_pass=False)
-        ids = ["bad", "a", "b"]
-        s = await Crawler(config).run(ids)
-        assert (s.ok, s.failed, api.starts().count("bad")) == (2, 1, 2)  # (paid_retries = 1)
-        s = await Crawler(config).run(ids)
-        assert (s.ok, s.failed, s.unavailable, api.starts().count("bad")) == (2, 0, 1, 2)
-        s = await Crawler(config.with_overrides(recheck_unavailable=True)).run(ids)
-        assert (s.ok, s.unavailable, api.starts().count("bad")) == (2, 1, 2)
-        assert api.counts()[200] == 4  # (a and b once, bad twice)
-
-
-async def test_paid_retries_hold_across_runs(state: Path) -> None:
-    await paid_retries_across_runs(lambda api: fast_config(api, state))
-
-
 async def test_recheck_unavailable_fetches_what_was_given_up_on(state: Path) -> None:
     await recheck_unavailable(lambda api: fast_config(api, state))
 

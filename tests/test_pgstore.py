@@ -105,13 +105,6 @@ async def test_library_crawl_into_a_job_and_a_rerun_adds_only_new_ids(job: str) 
     assert {item: orjson.loads(raw) for item, raw in payloads} == ok
 
 
-async def test_paid_retries_hold_across_runs_of_a_shared_job(job: str) -> None:
-    from .test_crawler import paid_retries_across_runs
-
-    await paid_retries_across_runs(
-        lambda api: fast_config(api, Path("unused"), state_url=PG, job=job))
-
-
 async def test_recheck_unavailable_in_a_shared_job(job: str) -> None:
     from .test_crawler import recheck_unavailable
 
