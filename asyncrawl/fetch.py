@@ -27,6 +27,7 @@ import codecs
 import contextvars
 import enum
 import errno
+import json
 import logging
 import os
 import re
@@ -388,14 +389,20 @@ class Fetcher:
             for hop in range(cfg.max_redirects + 1):
                 if self.lean is not None and self.lean.serves(method, url):
                     _CONNECTED.set(True)  # (from here on, only a connect's failure sent nothing)
-                    answer = await self.lean.request(
-                        method, url, headers, json=body, data=data, limit=cfg.max_body_bytes,
-                        total=self.timeout.total, connect=self.timeout.sock_connect,
-                        silence=self.timeout.sock_read,
-                        fixed=req is None and headers is self._builds[lane].headers)
-                    status, answered = answer.status, answer.headers
-                    if status not in REDIRECTS or "Location" not in answered:
-                        return self._classify(item_id, status, answered, answer.body)
+                    try:
+                        answer = await self.lean.request(
+                            method, url, headers, json=body, data=data,
+                            limit=cfg.max_body_bytes, total=self.timeout.total,
+                            connect=self.timeout.sock_connect, silence=self.timeout.sock_read,
+                            fixed=req is None and headers is self._builds[lane].headers)
+                        status, answered = answer.status, answer.headers
+                    except http1.BrokenAnswer as e:  # (a redirect's body is not read: as
+                        if e.status not in REDIRECTS or "Location" not in e.headers:  # aiohttp)
+                            raise
+                        status, answered = e.status, e.headers
+                    else:
+                        if status not in REDIRECTS or "Location" not in answered:
+                            return self._classify(item_id, status, answered, answer.body)
                 else:
                     if self._marks:  # (each hop: a redirect's answer came; its target's not yet)
                         _CONNECTED.set(False)
@@ -449,10 +456,10 @@ class Fetcher:
         """Where a redirect leads (its URL, and the headers to send there: none secret if to
         another origin), or the ``Attempt`` that ends here: not followed, too many, invalid."""
         cfg = self.config
-        # the server's bytes as text that can be stored and shown (not UTF-8: escaped, not
-        # surrogates; control characters, a terminal's escapes among them, escaped too)
-        location = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", location.encode(
-            "utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+        # the server's bytes as text that can be stored (not UTF-8: escaped, not surrogates);
+        # ``shown``: control characters, a terminal's escapes among them, escaped too
+        location = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", location)
         try:
             given = URL(location)
             target = url.join(given)
@@ -460,7 +467,7 @@ class Fetcher:
             (target.raw_host or "").encode("idna")  # (an empty or over-long label: invalid)
         except ValueError:  # not a URL, or one without a host (mailto:, data:)
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                f"redirect to an invalid Location {location}"[:500]), kind=ErrorKind.REDIRECT)
+                f"redirect to an invalid Location {shown}"[:500]), kind=ErrorKind.REDIRECT)
         if given.user is not None or given.password is not None:  # the server's credentials:
             return Attempt(Outcome.SKIP, status, error=cfg.redact(  # never sent (nor shown)
                 f"redirect not followed: its Location carries credentials "
@@ -470,7 +477,7 @@ class Fetcher:
         if not allowed or hop == cfg.max_redirects:
             why = "too many redirects" if allowed else "redirect not followed"
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                f"{why}: Location {location}"[:500]), kind=ErrorKind.REDIRECT)
+                f"{why}: Location {shown}"[:500]), kind=ErrorKind.REDIRECT)
         if not same:  # never carry credentials to another origin
             headers = {k: v for k, v in headers.items()
                        if not cfg.is_secret_header(k) and cfg.redact(v) == v}
@@ -545,7 +552,8 @@ class Fetcher:
             return self._classify(item_id, status, headers, b"")
         why = self._timeout_error(e) if isinstance(e, TimeoutError) else _describe(e)
         return Attempt(Outcome.RETRY, status, error=self.config.redact(
-            f"HTTP {status}, its body not whole: {why}")[:500], billable=True, kind=ErrorKind.BODY)
+            f"HTTP {status}, its body not whole: {why}")[:500], billable=True,
+            kind=ErrorKind.TIMEOUT if isinstance(e, TimeoutError) else ErrorKind.NETWORK)
 
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
                   body: bytes | None) -> Attempt:
@@ -679,8 +687,8 @@ class Connector(aiohttp.TCPConnector):
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
         conn = await super().connect(req, traces, timeout)
-        for _ in range(self.limit + 1):  # (the pool's, and then new ones: a server that talks
-            if conn.protocol is None or not conn.protocol.should_close:  # first fails anyway)
+        for _ in range(3):  # (a few: a server that talks first on a new one fails anyway)
+            if conn.protocol is None or not conn.protocol.should_close:
                 break
             # a pooled connection that holds bytes nobody asked for (an answer the server sent
             # while it was idle): aiohttp would hand them to this request as its answer, and
@@ -700,7 +708,10 @@ def new_session(config: Config) -> aiohttp.ClientSession:
     client switches off the same way). For a paid API that is a second call that nobody
     recorded: every request that leaves asyncrawl has its durable ``sent`` record, and a drop
     is a retryable failure decided by asyncrawl's own policy instead. Pass the result as
-    ``Crawler(config, session=...)`` to share one session and keep that guarantee."""
+    ``Crawler(config, session=...)`` to share one session and keep that guarantee. Its
+    answers' bodies come as sent (``auto_decompress=False``): asyncrawl decodes gzip and
+    deflate itself (``Fetcher._read``); an application's own requests through it get them
+    encoded."""
     connector = Connector(limit=config.concurrency, ttl_dns_cache=300)
     # (bodies decoded by ``Fetcher._read``, as asyncrawl's own client does: aiohttp's decoder
     # takes a gzip stream cut short, or without its end, for a whole body)
@@ -809,6 +820,7 @@ _SSL_CUT_OFF = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_BREAK = re.compile(r"[\r\n\x00]")  # (what a header value cannot hold)
 
 
 def _checked(req: Request, item_id: str) -> tuple[URL, Mapping[str, str]]:
@@ -828,15 +840,15 @@ def _checked(req: Request, item_id: str) -> tuple[URL, Mapping[str, str]]:
         raise bad("a URL that is not http:// or https:// with a host")
     headers = req.headers
     if not isinstance(headers, Mapping) or not all(
-            isinstance(k, str) and _TOKEN(k) and isinstance(v, str) and not _CONTROL.search(v)
+            isinstance(k, str) and _TOKEN(k) and isinstance(v, str) and not _BREAK.search(v)
             for k, v in headers.items()):
         raise bad("headers that are not header names and text values (no line breaks)")
     if url.user is not None and any(k.lower() == "authorization" for k in headers):
         raise bad("a user and password in the URL and an Authorization header")
     if req.json is not None:
-        try:
-            orjson.dumps(req.json)
-        except TypeError as e:
+        try:  # (as both clients send it: the standard library's json)
+            json.dumps(req.json, allow_nan=False)
+        except (TypeError, ValueError) as e:
             raise bad(f"a json body that is not JSON ({e})") from None
     return url, headers
 

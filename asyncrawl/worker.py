@@ -41,7 +41,7 @@ from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .records import Commit, Record
 from .retry import retry_delay
-from .types import Halt
+from .types import ErrorKind, Halt
 
 log = logging.getLogger("asyncrawl")
 
@@ -68,6 +68,7 @@ class Verdict(NamedTuple):
 
 # the verdicts that depend on nothing but the outcome (made once: one a request otherwise)
 _SETTLE_OK = Verdict(Action.SETTLE, "ok")
+_ON_THE_WAY = (ErrorKind.TIMEOUT, ErrorKind.NETWORK)  # a paid answer's body lost on its way
 _HALT = Verdict(Action.HALT)
 _SKIPPED = Verdict(Action.SETTLE, "failed", permanent=True)  # in pass 1
 _SKIPPED_AGAIN = Verdict(Action.SETTLE, "unavailable", permanent=True)  # in pass 2
@@ -384,8 +385,8 @@ class Worker:
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
-            # one: the server answered, and billed it
-            down = retry and not limited and not attempt.billable
+            # one (the server answered, and billed it), but one cut short or stalled on its way
+            down = retry and not limited and (not attempt.billable or attempt.kind in _ON_THE_WAY)
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, self.config.retry_after_max)

@@ -470,6 +470,8 @@ async def test_tries_that_sent_nothing_are_no_retries_and_leave_no_doubt(state: 
     lambda url: Request("GET", url, {"a b": "1"}), lambda url: Request("GET", url, {"": "1"}),
     lambda url: Request("GET", url, {"X": "1\r\nY: 2"}), lambda url: Request("GET", url, [1]),
     lambda url: Request("POST", url, json=object()),
+    lambda url: Request("POST", url, json={"d": __import__("datetime").date(2026, 1, 1)}),
+    lambda url: Request("POST", url, json={"n": float("nan")}),
     lambda url: Request("GET", url.replace("http://", "http://u:p@"), {"Authorization": "x"}),
 ])
 async def test_a_request_no_client_could_send_is_a_config_error_with_nothing_in_doubt(
@@ -483,6 +485,16 @@ async def test_a_request_no_client_could_send_is_a_config_error_with_nothing_in_
                 api.item_url.replace("{id}", item))).run(["a"])
         assert api.starts() == []
     assert db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL OR sends > 0") == []
+
+
+async def test_a_json_body_the_standard_library_sends_is_sent(state: Path) -> None:
+    """The check of a hook's body used orjson, which refuses what the clients send (an
+    integer past 64 bits, a key that is a number)."""
+    async with MockAPI(api_key=KEY) as api:
+        s = await Crawler(fast_config(api, state), request_for=lambda item: Request(
+            "POST", api.item_url.replace("{id}", item), {"X-Api-Key": KEY},
+            json={"n": 2**70, 1: "a"})).run(["a"])
+    assert s.ok == 1
 
 
 async def test_a_request_that_may_have_reached_the_server_unanswered_is_listed(

@@ -695,6 +695,18 @@ async def test_an_answer_nobody_asked_for_is_nobody_s(session: aiohttp.ClientSes
         srv.close()
 
 
+async def test_a_redirect_whose_body_is_cut_short_is_followed_by_both_clients(
+        raw: Callable[[bytes, bool], Awaitable[str]], server: Server,
+        session: aiohttp.ClientSession) -> None:
+    """A redirect's body is not read (aiohttp's client follows it): asyncrawl's own client
+    took one cut short for a failed answer (a skip)."""
+    to = server.base + "/items/there"
+    url = await raw(b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 100\r\n\r\nabc"
+                    % to.encode())
+    a = await attempt(session, url, "x", follow_redirects="any")
+    assert (a.outcome, a.data["id"] if a.data else None) == (Outcome.OK, "there"), a
+
+
 @pytest.mark.parametrize("cut", ["half", "no-trailer"])
 async def test_a_compressed_body_that_does_not_end_whole_is_not_ok(
         raw: Callable[[bytes, bool], Awaitable[str]], cut: str) -> None:
