@@ -606,8 +606,8 @@ def _check_types(c: Config) -> None:
             if v is None and name in ("price_per_call", "max_spend", "connect_timeout", "read_timeout"):
                 continue
             if not _is_num(v):
-                what = "at most 10^15" if isinstance(v, int | float) and not isinstance(
-                    v, bool) and v == v else "a number"
+                what = "between -10^15 and 10^15" if isinstance(v, int | float) and not \
+                    isinstance(v, bool) and v == v else "a number"
                 raise bad(name, f"must be {what}, got {type(v).__name__} {str(v)[:40]}")
         elif name in ("concurrency", "burst", "max_tries", "max_body_bytes", "max_redirects",
                       "max_requests", "paid_retries"):
@@ -619,7 +619,7 @@ def _check_types(c: Config) -> None:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
             if abs(v) > 10**15:
-                raise bad(name, f"must be at most 10^15, got {str(v)[:40]}")
+                raise bad(name, f"must be between -10^15 and 10^15, got {str(v)[:40]}")
         elif name in ("second_pass", "recheck_permanent", "recheck_unavailable", "verify_tls",
                       "adaptive", "breaker", "reuse_state"):
             if not isinstance(v, bool):
@@ -729,7 +729,11 @@ def _check_values(c: Config) -> None:
     _check_keys(c)
     authorized = "authorization" in seen or (
         bool(c.keys) and c.key_param is None and c.key_header.lower() == "authorization")
-    if authorized and "@" in c.url.split("://", 1)[-1].split("/", 1)[0]:
+    try:
+        credentials = urlsplit(c.url.replace("{id}", "ID")).username is not None
+    except ValueError:  # (validate_url_template says what is wrong with it)
+        credentials = False
+    if authorized and credentials:
         raise bad("url", "has a user and password (user:password@host), and the requests an "
                          "Authorization header too: give the credentials one way")
     overlap = (c.retryable & c.skip) | (c.retryable & c.fatal) | (c.skip & c.fatal)
@@ -773,7 +777,7 @@ def _check_keys(c: Config) -> None:
         return
     if "{key}" not in c.key_format:
         raise _bad("key_format", f"must contain {{key}}, got {c.key_format!r}")
-    if not c.key_header.strip() or any(ch in c.key_header for ch in ":\r\n\0 "):
+    if not _TOKEN(c.key_header):
         raise _bad("key_header", f"must be a header name, got {c.key_header!r}")
     if any(k.lower() == c.key_header.lower() for k in c.headers):
         raise _bad("key_header", f"{c.key_header!r} is in [request.headers] too: with [request] "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import operator
 from collections.abc import AsyncIterable, Callable, Iterable
 
 import aiohttp
@@ -98,9 +99,15 @@ class Crawler:
         if not isinstance(progress_every, int | float) or not progress_every > 0:  # (nan too)
             raise ConfigError(f"progress_every must be greater than 0 (seconds), "
                               f"got {progress_every!r:.40}")
-        if total is not None and (not isinstance(total, int) or isinstance(total, bool)
-                                  or total < 0):
-            raise ConfigError(f"total must be the number of IDs (0 or more), got {total!r:.40}")
+        if total is not None:
+            given = total
+            try:  # (an int, or what stands for one: numpy's, say)
+                total = operator.index(total)
+            except TypeError:
+                total = -1
+            if total < 0:
+                raise ConfigError(f"total must be the number of IDs (0 or more), got "
+                                  f"{given!r:.40}")
         if session is not None and not isinstance(session, aiohttp.ClientSession):
             raise ConfigError(f"session must be an aiohttp.ClientSession, got "
                               f"{type(session).__name__}")

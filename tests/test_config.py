@@ -412,9 +412,9 @@ def test_what_no_request_could_carry_is_a_config_error(kw: dict, key: str, said:
 
 
 @pytest.mark.parametrize(("kw", "key", "said"), [
-    ({"rate": 10**400}, "limits.rate", "at most 10^15"),  # (a float of it overflowed)
-    ({"timeout": 10**400}, "request.timeout", "at most 10^15"),
-    ({"burst": 10**400}, "limits.burst", "at most 10^15"),
+    ({"rate": 10**400}, "limits.rate", "and 10^15"),  # (a float of it overflowed)
+    ({"timeout": 10**400}, "request.timeout", "and 10^15"),
+    ({"burst": 10**400}, "limits.burst", "and 10^15"),
     ({"concurrency": 10**8}, "limits.concurrency", "at most 10,000"),  # (never started)
     ({"keys": ["k"], "key_header": 5, "headers": {"X": "1"}}, "request.key_header", "string"),
     ({"method": "POST", "json": {"a": __import__("datetime").date(1979, 5, 27)}},
@@ -445,3 +445,11 @@ def test_a_nul_in_a_path_or_a_name_is_a_config_error(name: str) -> None:
     """It raised ValueError ("embedded null byte") from the system's calls: exit 1."""
     with pytest.raises(ConfigError, match="contains a NUL character"):
         Config(url=URL, **{name: "a\x00b"})
+
+
+def test_an_at_sign_in_the_query_is_no_user_and_a_key_header_is_a_token() -> None:
+    cfg = Config(url="https://api.example.com?owner=me@example.com&id={id}",
+                 headers={"Authorization": "Bearer x"})  # (it was refused as user:password@)
+    assert cfg.url.startswith("https://api.example.com?owner=me@")
+    with pytest.raises(ConfigError, match="must be a header name"):
+        Config(url=URL, keys=["k1"], key_header="X-Clé")  # (400s for every request)
