@@ -484,13 +484,13 @@ SPOOL_LINE = 1 << 20  # bytes of one line past which the copy stops (the check s
 STALE_SPOOL = 60.0  # seconds: a copy at least this old that nobody holds was a killed run's
 
 
-def _spool(source: BinaryIO) -> tuple[str, int]:
+def _spool(source: BinaryIO, shown: str) -> tuple[str, int]:
     """Copy IDs that can be read only once (stdin, a pipe) to a temporary file (a run reads its
     IDs file more than once): its path and an open descriptor, flock()ed while the run lives.
     The run removes it at its end; one that was killed (``kill -9``) could not: the next run
-    that copies IDs removes such leftovers. The copy stops at bytes that are not UTF-8, or at a
-    line longer than ``SPOOL_LINE``: what is copied is checked as any IDs file is (exit 2, the
-    line named), instead of copying ``/dev/zero`` or ``/dev/urandom`` until the disk is full."""
+    that copies IDs removes such leftovers. Bytes that are not UTF-8, or a line longer than
+    ``SPOOL_LINE``, are an ``InputError`` naming the line (``shown``: the source's name), at
+    once: not the copy of ``/dev/zero`` or ``/dev/urandom`` until the disk is full."""
     import codecs
     import fcntl
     import tempfile
@@ -510,18 +510,26 @@ def _spool(source: BinaryIO) -> tuple[str, int]:
     fd, path = tempfile.mkstemp(prefix=SPOOL)
     fcntl.flock(fd, fcntl.LOCK_EX)
     utf8 = codecs.getincrementaldecoder("utf-8")()
-    line = 0  # bytes since the last line end
-    with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
-        while chunk := source.read(1 << 20):
-            f.write(chunk)
-            end = chunk.rfind(b"\n")
-            line = len(chunk) - end - 1 if end >= 0 else line + len(chunk)
-            try:
-                utf8.decode(chunk)
-            except UnicodeDecodeError:
-                break
-            if line > SPOOL_LINE:
-                break
+    lines = tail = 0  # line ends copied; bytes since the last one
+    try:
+        with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
+            while chunk := source.read(1 << 20):
+                try:
+                    utf8.decode(chunk)
+                except UnicodeDecodeError as e:
+                    at = lines + chunk.count(b"\n", 0, e.start) + 1
+                    raise InputError("not valid UTF-8", path=shown, line=at) from None
+                end = chunk.rfind(b"\n")
+                tail = len(chunk) - end - 1 if end >= 0 else tail + len(chunk)
+                if tail > SPOOL_LINE:
+                    raise InputError(f"a line over {SPOOL_LINE:,} bytes", path=shown,
+                                     line=lines + chunk.count(b"\n") + 1)
+                lines += chunk.count(b"\n")
+                f.write(chunk)
+    except BaseException:
+        os.unlink(path)
+        os.close(fd)
+        raise
     return path, fd
 
 
@@ -536,11 +544,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         spooled, spool_fd, shown = None, -1, ""  # shown: the IDs' name in messages
         ids_path = config.ids  # None: join a shared job and work on the IDs it has
         if ids_path == "-":
-            ids_path, spool_fd = _spool(sys.stdin.buffer)
+            ids_path, spool_fd = _spool(sys.stdin.buffer, "<stdin>")
             spooled, shown = ids_path, "<stdin>"
         elif ids_path and is_stream(ids_path):  # --ids <(command), a FIFO: read once
             with open(ids_path, "rb") as pipe:
-                spooled, spool_fd = _spool(pipe)
+                spooled, spool_fd = _spool(pipe, ids_path)
             ids_path, shown = spooled, ids_path
         try:
             # an IDs file the state has read before, unchanged, is not checked and counted again

@@ -18,7 +18,7 @@ DYING_WAIT = 10.0  # seconds to wait for the lock of a run that was killed and i
 
 # a state directory that cannot be where it is asked to be (not a failing disk: exit 2, not 5)
 _NOT_THERE = frozenset({errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR,
-                        errno.ENAMETOOLONG, errno.EROFS, errno.EEXIST})
+                        errno.ENAMETOOLONG})
 
 
 def _dying(pid: int) -> bool:
@@ -58,18 +58,23 @@ def lock_state_dir(d: Path) -> int:
     """Create ``d`` if needed and take its lock; the descriptor (closing it releases the lock).
     ``LockedError`` if another run holds it."""
     try:
-        if not d.exists():
+        if not d.is_dir():
             d.mkdir(parents=True, mode=0o700)
             fsync_dir(d.parent)
-        elif not d.is_dir():
+    except FileExistsError:  # (a file there; or another run made it meanwhile: its lock says)
+        if not d.is_dir():
             raise ConfigError("the state directory (--state, [state] dir) is a file here, "
-                              "not a directory", path=d)
-        lock_fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+                              "not a directory", path=d) from None
     except OSError as e:
         if e.errno in _NOT_THERE:  # (where it cannot be: a usage error, not a failing disk)
             raise ConfigError(f"cannot create the state directory (--state, [state] dir): "
                               f"{e.strerror}", path=d) from None
         raise StorageError(f"cannot create state directory: {e.strerror}", path=d) from None
+    try:
+        lock_fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise StorageError(f"cannot open the state directory's lock: {e.strerror}",
+                           path=d) from None
     deadline = time.monotonic() + DYING_WAIT
     while True:
         try:

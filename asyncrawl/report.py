@@ -269,15 +269,19 @@ def _write_ids(blocks: Iterator[list[str]], out: TextIO) -> int:
 
 
 def _output(path: str) -> tuple[Path, bool]:
-    """Where ``-o PATH`` writes: the file a symbolic link names (the link stays a link), and
-    whether that is a device, a FIFO or a socket (``/dev/stdout``, a named pipe), written into
-    as it is: a rename over it would put a regular file in its place."""
-    target = Path(os.path.realpath(path))
+    """Where ``-o PATH`` writes, and whether straight into it: a device, a FIFO or a socket,
+    or a descriptor's name (``/dev/stdout``, ``/dev/fd/N``, ``>(command)``: a pipe, or a file
+    the shell opened, maybe to append) is written into as it is, at the path given (a rename
+    would put a regular file in its place); a regular file, or the one a symbolic link names
+    (the link stays a link), is written beside and renamed over."""
     try:
-        st = os.stat(target)
+        st = os.stat(path)  # (through links)
     except OSError:
-        return target, False
-    return target, not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+        return Path(os.path.realpath(path)), False
+    if (not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode)) or path.startswith(
+            ("/dev/", "/proc/")):
+        return Path(path), True
+    return Path(os.path.realpath(path)), False
 
 
 def _to_file(path: str, write: Callable[[TextIO], int]) -> int:
@@ -286,8 +290,8 @@ def _to_file(path: str, write: Callable[[TextIO], int]) -> int:
     if not special:
         return _atomically(target, write)
     try:
-        with open(target, "w", encoding="utf-8", newline="") as f:
-            return write(f)
+        with open(target, "a", encoding="utf-8", newline="") as f:  # (a file the shell opened
+            return write(f)  # to append to, through /dev/stdout: not truncated by a reopening)
     except OSError as e:
         raise StorageError(f"cannot write the export: {e.strerror}", path=target) from None
 

@@ -671,8 +671,14 @@ def test_ids_from_an_endless_device_are_an_input_error_not_a_full_disk(
     spools = set(Path(tempfile.gettempdir()).glob("asyncrawl-ids-*"))
     r = cli("run", "--ids", device, "--url", "http://127.0.0.1:9/items/{id}", "--state",
             str(tmp_path / "s"), "--no-progress", cwd=tmp_path, timeout=60)
-    assert r.returncode == 2 and f"{device}:1:" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{device}:" in r.stderr, r.stderr
     assert set(Path(tempfile.gettempdir()).glob("asyncrawl-ids-*")) == spools  # (removed)
+    if device == "/dev/zero":  # (and a blank line that long on stdin: its IDs after it were
+        #                        dropped, the copy cut short there)
+        r = cli("run", "--ids", "-", "--url", "http://127.0.0.1:9/items/{id}", "--dry-run",
+                "--state", str(tmp_path / "s"), cwd=tmp_path, stdin="a\n" + " " * 3_000_000
+                + "\nb\nc\n")
+        assert r.returncode == 2 and "<stdin>:2: a line over" in r.stderr, r.stderr
 
 
 def test_the_stdin_copy_of_a_killed_run_is_removed_by_the_next(tmp_path: Path,
@@ -766,6 +772,16 @@ def test_status_and_export_need_only_the_state(tmp_path: Path) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] == 1, r.stderr
     r = cli("export", "-c", str(cfg), "--format", "ids")
     assert (r.returncode, r.stdout) == (0, "a\n"), r.stderr
+    # -o /dev/stdout: into the pipe (its path through /proc was no file: exit 2), and into a
+    # file the shell opened to append to (a rename, or a reopening, lost what it held)
+    r = cli("export", "-c", str(cfg), "--format", "ids", "-o", "/dev/stdout")
+    assert (r.returncode, r.stdout) == (0, "a\n"), r.stderr
+    kept = tmp_path / "kept.txt"
+    kept.write_text("old\n")
+    with kept.open("a") as out:
+        subprocess.run([sys.executable, "-m", "asyncrawl", "export", "-c", str(cfg), "--format",
+                        "ids", "-o", "/dev/stdout"], stdout=out, check=True, timeout=60)
+    assert kept.read_text() == "old\na\n"
     r = cli("run", "-c", str(cfg), "--ids", "-", stdin="a\n")
     assert r.returncode == 2 and "request.url" in r.stderr  # a run does need it
 
