@@ -27,7 +27,7 @@ from ._version import __version__
 from .config import UNUSED_URL, Config, check_job, expand_env, is_url
 from .errors import AsyncrawlError, ConfigError, InputError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
-from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, SETTLED
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, settled
 from .types import Progress, Summary
 
 log = logging.getLogger("asyncrawl")
@@ -619,7 +619,7 @@ def _dry_run(config: Config, ids_path: str) -> int:
     if store is not None:  # (another job's state: its run would refuse it, and so does this)
         check_job(config, store.job)
 
-    final = {"ok"} if config.recheck_unavailable else SETTLED  # (what the run would skip)
+    final = settled(config.recheck_unavailable)  # (what the run would skip)
 
     async def count() -> tuple[int, int, int]:
         seen = SeenIds()  # on disk: flat memory for any length of list

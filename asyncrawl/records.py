@@ -48,6 +48,15 @@ EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("u
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt", "unanswered")
 EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
+
+
+def settled(recheck_unavailable: bool) -> frozenset[str]:
+    """The states a run does not fetch again: ``SETTLED``, less ``unavailable`` when it is to
+    be checked again (``recheck_unavailable``)."""
+    return _OK_ONLY if recheck_unavailable else SETTLED
+
+
+_OK_ONLY = frozenset({"ok"})
 # An item's ``doubt`` in both stores: NULL, 0 (in doubt: sent when a run was cut off, no result
 # kept), 1 (in doubt and fetched ok since: possibly billed twice), 2 (``unanswered``: a request
 # got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An

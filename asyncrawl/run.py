@@ -44,7 +44,7 @@ from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
-from .records import SETTLED, Commit, Counts, Record
+from .records import Commit, Counts, Record, settled
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary
@@ -55,7 +55,6 @@ log = logging.getLogger("asyncrawl")
 
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
 REFUSED_AFTER = 20  # answers, all refusing alike (``fetch.REFUSING``) before any other, that halt it
-_RECHECKED = frozenset({"ok"})  # the states a run with recheck_unavailable does not fetch again
 
 # IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
 # and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
@@ -433,10 +432,10 @@ class Run:
         tally, history = self.tally, self.history
         fresh, duplicates = await store.admit(chunk)
         tally.duplicates += duplicates
-        settled = _RECHECKED if self.config.recheck_unavailable else SETTLED
+        done = settled(self.config.recheck_unavailable)
         todo = []
         for item, was in fresh:
-            if was in settled:
+            if was in done:
                 tally.skipped += 1
                 continue
             if was is not None:  # failed in an earlier run
