@@ -41,7 +41,7 @@ def _problem(item: str) -> str | None:
 
 def parse_line(raw: bytes, *, path: str, line: int) -> str | None:
     """The ID on one raw line (``None`` if blank), or ``InputError``."""
-    if line == 1 and raw.startswith(BOM):
+    if raw.startswith(BOM):  # (the file's, or a file's joined on: cat a.txt b.txt)
         raw = raw[3:]
     try:
         text = raw.decode("utf-8")

@@ -51,6 +51,9 @@ async def both(path: str) -> tuple[int, list[str]]:
         (b"", []),
         (b"\n\n\n", []),
         (b"\xef\xbb\xbf", []),
+        # two files joined (cat a.txt b.txt): the second's BOM starts a line (it was kept in
+        # the ID: "\ufeffb" fetched and exported)
+        (b"\xef\xbb\xbfa\n\xef\xbb\xbfb\nc\n", ["a", "b", "c"]),
     ],
 )
 async def test_valid_files(tmp_path: Path, data: bytes, expected: list[str]) -> None:
