@@ -406,9 +406,15 @@ async def test_trailers_are_not_headers_and_cannot_flood(raw, client) -> None:
     srv = await raw(answer)
     a = await get(client, f"{srv.url}/x")
     assert (a.status, a.body) == (503, b"{}") and "Retry-After" not in a.headers
-    # (cut off by the parser's count of fields, 128; by the client's bytes were it higher)
-    with broken(http1.ProtocolError, r"trailers over|Too many (headers|trailers)", 503):
+    # (cut off by the parser's count of fields, 128; by the client's bytes were it higher;
+    # the answer's head is known only if a read before ended with it: the parser raises
+    # before it hands over a head whose trailers flood in the same read)
+    with pytest.raises(OSError, match=r"trailers over|Too many (headers|trailers)") as e:
         await get(client, f"{srv.url}/flood", total=10)
+    if isinstance(e.value, http1.BrokenAnswer):
+        assert e.value.status == 503 and isinstance(e.value.cause, http1.ProtocolError)
+    else:
+        assert isinstance(e.value, http1.ProtocolError)
 
 
 async def test_text_beyond_ascii_goes_as_utf8_both_ways(raw, client) -> None:
