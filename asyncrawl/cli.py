@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ._version import __version__
-from .config import UNUSED_URL, Config, check_job, expand_env, is_url
+from .config import MAX_NUMBER, UNUSED_URL, Config, check_job, expand_env, is_url
 from .errors import AsyncrawlError, ConfigError, InputError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, settled
@@ -521,10 +521,10 @@ def _spool(source: BinaryIO, shown: str) -> tuple[str, int]:
                     raise InputError("not valid UTF-8", path=shown, line=at) from None
                 end = chunk.rfind(b"\n")
                 tail = len(chunk) - end - 1 if end >= 0 else tail + len(chunk)
+                lines += chunk.count(b"\n")
                 if tail > SPOOL_LINE:
                     raise InputError(f"a line over {SPOOL_LINE:,} bytes", path=shown,
-                                     line=lines + chunk.count(b"\n") + 1)
-                lines += chunk.count(b"\n")
+                                     line=lines + 1)
                 f.write(chunk)
     except BaseException:
         os.unlink(path)
@@ -692,7 +692,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     for flag, value in (("--ids", args.ids), ("--rate", args.rate),
                         ("--concurrency", args.concurrency)):
-        if not 0 < value <= 1e15:  # (before anything is made: nan and inf too)
+        if not 0 < value <= MAX_NUMBER:  # (before anything is made: nan and inf too)
             raise ConfigError(f"must be greater than 0 (and at most 10^15), got {value:g}",
                               key=flag)
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")

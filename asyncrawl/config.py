@@ -41,6 +41,7 @@ DEFAULT_RETRYABLE = frozenset({408, 429, 500, 502, 503, 504})
 DEFAULT_SKIP = frozenset({400, 404, 410})
 DEFAULT_FATAL = frozenset({401, 402, 407})  # 407: the proxy refuses our credentials
 MAX_ID_LENGTH = 1024
+MAX_NUMBER = 10**15  # the largest number a setting holds, either way (a float of more overflows)
 MAX_CONCURRENCY = 10_000  # requests in flight: more is no rate-limited API's
 MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT, 0.3 s)
 UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
@@ -529,10 +530,13 @@ def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_
     return value
 
 
+_IN_RANGE = "between -10^15 and 10^15"  # (MAX_NUMBER in words)
+
+
 def _is_num(v: Any) -> bool:
     """A number a setting can hold: finite, and no more than 10^15 either way (a 400-digit
     TOML integer is no float: its checks raised ``OverflowError``)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and -1e15 <= v <= 1e15
+    return isinstance(v, int | float) and not isinstance(v, bool) and -MAX_NUMBER <= v <= MAX_NUMBER
 
 
 def _is_status(v: Any) -> bool:
@@ -606,8 +610,8 @@ def _check_types(c: Config) -> None:
             if v is None and name in ("price_per_call", "max_spend", "connect_timeout", "read_timeout"):
                 continue
             if not _is_num(v):
-                what = "between -10^15 and 10^15" if isinstance(v, int | float) and not \
-                    isinstance(v, bool) and v == v else "a number"
+                what = _IN_RANGE if isinstance(v, int | float) and not isinstance(v, bool) \
+                    and v == v else "a number"
                 raise bad(name, f"must be {what}, got {type(v).__name__} {str(v)[:40]}")
         elif name in ("concurrency", "burst", "max_tries", "max_body_bytes", "max_redirects",
                       "max_requests", "paid_retries"):
@@ -618,8 +622,8 @@ def _check_types(c: Config) -> None:
                 v = int(v)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
-            if abs(v) > 10**15:
-                raise bad(name, f"must be between -10^15 and 10^15, got {str(v)[:40]}")
+            if abs(v) > MAX_NUMBER:
+                raise bad(name, f"must be {_IN_RANGE}, got {str(v)[:40]}")
         elif name in ("second_pass", "recheck_permanent", "recheck_unavailable", "verify_tls",
                       "adaptive", "breaker", "reuse_state"):
             if not isinstance(v, bool):
@@ -717,15 +721,15 @@ def _check_values(c: Config) -> None:
     if framing:
         raise bad("headers", f"{framing[0]!r} is the HTTP client's to set (it frames the "
                              "request body): remove it from [request.headers]")
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {}  # lower-case name -> the name as written
     for k in c.headers:
         if not _TOKEN(k):
             raise bad("headers", f"{k!r} is not a header name (letters, digits and "
                                  "!#$%&'*+-.^_`|~ only)")
-        if k.strip().lower() in seen:
-            raise bad("headers", f"{seen[k.strip().lower()]!r} and {k!r} are one header (a "
+        if k.lower() in seen:
+            raise bad("headers", f"{seen[k.lower()]!r} and {k!r} are one header (a "
                                  "header's name has no case): keep one")
-        seen[k.strip().lower()] = k
+        seen[k.lower()] = k
     _check_keys(c)
     authorized = "authorization" in seen or (
         bool(c.keys) and c.key_param is None and c.key_header.lower() == "authorization")

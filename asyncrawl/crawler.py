@@ -100,14 +100,14 @@ class Crawler:
             raise ConfigError(f"progress_every must be greater than 0 (seconds), "
                               f"got {progress_every!r:.40}")
         if total is not None:
-            given = total
             try:  # (an int, or what stands for one: numpy's, say)
-                total = operator.index(total)
+                count = operator.index(total)
             except TypeError:
-                total = -1
-            if total < 0:
+                count = -1
+            if count < 0:
                 raise ConfigError(f"total must be the number of IDs (0 or more), got "
-                                  f"{given!r:.40}")
+                                  f"{total!r:.40}")
+            total = count
         if session is not None and not isinstance(session, aiohttp.ClientSession):
             raise ConfigError(f"session must be an aiohttp.ClientSession, got "
                               f"{type(session).__name__}")

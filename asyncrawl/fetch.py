@@ -550,10 +550,12 @@ class Fetcher:
         other is what it says (a 402 halts; a 429 or a 503 waits as its Retry-After asks)."""
         if not 200 <= status < 300:
             return self._classify(item_id, status, headers, b"")
-        why = self._timeout_error(e) if isinstance(e, TimeoutError) else _describe(e)
+        if isinstance(e, TimeoutError):
+            why, kind = self._timeout_error(e), ErrorKind.TIMEOUT
+        else:
+            why, kind = _describe(e), ErrorKind.NETWORK
         return Attempt(Outcome.RETRY, status, error=self.config.redact(
-            f"HTTP {status}, its body not whole: {why}")[:500], billable=True,
-            kind=ErrorKind.TIMEOUT if isinstance(e, TimeoutError) else ErrorKind.NETWORK)
+            f"HTTP {status}, its body not whole: {why}")[:500], billable=True, kind=kind)
 
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
                   body: bytes | None) -> Attempt:
@@ -569,7 +571,7 @@ class Fetcher:
                 return self._classify(item_id, status, headers, b"")
             return Attempt(Outcome.RETRY, status, error=f"body larger than {cfg.max_body_bytes} "
                            "bytes", billable=True, kind=ErrorKind.TOO_LARGE)
-        if body[:3] == codecs.BOM_UTF8 and cfg.response_format != "bytes":  # (some servers'
+        if body.startswith(codecs.BOM_UTF8) and cfg.response_format != "bytes":  # (some servers'
             body = body[3:]  # UTF-8 begins with one: not JSON, nor text)
         data, body_ok = _parse(body, cfg.response_format)
         outcome = status_class(status, cfg)

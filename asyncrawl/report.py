@@ -207,21 +207,12 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         return write_parquet(rows, target, fields, _get, _MISSING)
     if fmt == "ids" and outcome not in _ID_LISTS:
         blocks = read_store(config.state, job=config.job).ids(outcome)
-        if path is None:
-            assert out is not None
-            return _write_ids(blocks, out)
-        return _to_file(path, lambda f: _write_ids(blocks, f))
+        return _emit(lambda f: _write_ids(blocks, f), out, path)
     if fmt == "jsonl" and outcome == "ok":
         payloads = read_store(config.state, job=config.job).payloads()
-        if path is None:
-            assert out is not None
-            return _write_ok_jsonl(payloads, out)
-        return _to_file(path, lambda f: _write_ok_jsonl(payloads, f))
+        return _emit(lambda f: _write_ok_jsonl(payloads, f), out, path)
     records = _records(config, outcome)
-    if path is None:
-        assert out is not None
-        return _write(records, outcome, fmt, fields, out)
-    return _to_file(path, lambda f: _write(records, outcome, fmt, fields, f))
+    return _emit(lambda f: _write(records, outcome, fmt, fields, f), out, path)
 
 
 def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -> int:
@@ -282,6 +273,14 @@ def _output(path: str) -> tuple[Path, bool]:
             ("/dev/", "/proc/")):
         return Path(path), True
     return Path(os.path.realpath(path)), False
+
+
+def _emit(write: Callable[[TextIO], int], out: TextIO | None, path: str | None) -> int:
+    """``write`` the export to ``out``, or to the file ``path``."""
+    if path is None:
+        assert out is not None
+        return write(out)
+    return _to_file(path, write)
 
 
 def _to_file(path: str, write: Callable[[TextIO], int]) -> int:
