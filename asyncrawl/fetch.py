@@ -67,6 +67,11 @@ class Outcome(enum.Enum):
     FATAL = "fatal"
 
 
+class SessionClosed(ConfigError):
+    """The application closed the session it gave the Crawler while the run went on: the try
+    that met it sent nothing, and the run stops (then raises this)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """What to send for one ID. A ``request_for`` hook may return its own.
@@ -450,6 +455,13 @@ class Fetcher:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
                            kind=ErrorKind.NETWORK, unanswered=left,
                            sent_nothing=hop == 0 and not left)
+        except RuntimeError:
+            if hop or not self.session.closed:
+                raise
+            # the application closed the session it gave the Crawler: aiohttp refused before
+            # anything was sent
+            raise SessionClosed("the aiohttp session given to the Crawler was closed while "
+                                "the run went on") from None
 
     def _redirect(self, status: int, location: str, url: URL, headers: Mapping[str, str],
                   hop: int) -> Attempt | tuple[URL, Mapping[str, str]]:

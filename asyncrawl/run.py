@@ -102,6 +102,7 @@ class Run:
         self._session: aiohttp.ClientSession | None = None
         self._lean = False  # (``execute``'s)
         self.budget: Budget | None = None
+        self.escaped: BaseException | None = None  # (``_escape``)
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -148,6 +149,24 @@ class Run:
         """The halt of a run whose ID source or hook raised ``exc`` (redacted, then cut)."""
         return Halt("error", None, self.config.redact(f"{type(exc).__name__}: {exc}")[:500])
 
+    def _escape(self, exc: BaseException) -> None:
+        """A hook or the ID source raised ``exc``, a KeyboardInterrupt or SystemExit, in a
+        task of the run: the run stops as on a halt (no new request; those in flight get the
+        grace period and their answers are kept), then raises it. (Let out of its task, asyncio
+        raises such an exception out of the event loop at once, past the graceful stop: the
+        answers in flight, paid for, would be lost and bought again.)"""
+        if self.escaped is None:
+            self.escaped = exc
+            self.stop.set(self._error_halt(exc))
+
+    async def _contained(self, work: Awaitable[None]) -> None:
+        """Await ``work`` (a task's coroutine that runs application code); a KeyboardInterrupt
+        or SystemExit it raises ends it as ``_escape`` says."""
+        try:
+            await work
+        except (KeyboardInterrupt, SystemExit) as e:
+            self._escape(e)
+
     def _cancelled(self) -> None:
         if not self.stop.is_set():
             self.stop.set(Halt("cancelled", None, "the task running Crawler.run() was cancelled"))
@@ -184,9 +203,9 @@ class Run:
                   ProcessWriter(proc, on_commit=self._on_commit, on_error=self._on_storage_error))
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
-        ticker = asyncio.create_task(
+        ticker = asyncio.create_task(self._contained(
             tick(self.progress, state_dir, self.hooks.on_progress, self.hooks.progress_every,
-                 publish=shared.publish_live if shared is not None else None),
+                 publish=shared.publish_live if shared is not None else None)),
             name="asyncrawl-progress")
         begin: dict[str, Any] = {"version": __version__, "pid": os.getpid(),
                                  "job": cfg.job_identity(), "source": ident}
@@ -206,7 +225,7 @@ class Run:
                 job = _Shared(shared, Heartbeat(
                     shared, self.stop, lambda: self.governor,
                     holding=lambda: self._workers is not None and self._workers.holds()))
-                job.start(self._merge(shared, source))
+                job.start(self._contained(self._merge(shared, source)))
                 await self._passes(self._claimed(job, 1, writer), session, writer,
                                    second=lambda: self._claimed(job, 2, writer),
                                    second_left=lambda: shared.pass_left(2), shared=shared,
@@ -229,7 +248,8 @@ class Run:
                         with contextlib.suppress(StorageError):  # (lost: the job stops short)
                             await job.store.return_budget(self.budget.unspent)
                 await self._close(writer, writer_task, ticker,
-                                  None if isinstance(error, asyncio.CancelledError) else error)
+                                  None if isinstance(error, asyncio.CancelledError)
+                                  else error or self.escaped)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
             if error is not None:
@@ -240,6 +260,8 @@ class Run:
                     await self._alert(await self._summary(store), session, job)
         summary = await self._summary(store)
         await self._alert(summary, session, job)
+        if self.escaped is not None:  # (a hook's KeyboardInterrupt or SystemExit)
+            raise self.escaped
         return summary
 
     async def _alert(self, summary: Summary, session: aiohttp.ClientSession,
@@ -495,10 +517,11 @@ class Run:
                 self.stop.set(self._error_halt(exc))
                 died.set()
 
-        tasks = [asyncio.create_task(self._produce(ids, queue, ledger),
+        tasks = [asyncio.create_task(self._contained(self._produce(ids, queue, ledger)),
                                      name=f"asyncrawl-producer-{pass_no}"),
                  asyncio.create_task(parking.run(), name=f"asyncrawl-parking-{pass_no}"),
-                 *(asyncio.create_task(workers.run(), name=f"asyncrawl-worker-{pass_no}-{i}")
+                 *(asyncio.create_task(self._contained(workers.run()),
+                                       name=f"asyncrawl-worker-{pass_no}-{i}")
                    for i in range(cfg.concurrency))]
         closing = False
         for t in tasks:
@@ -586,6 +609,8 @@ class Run:
         if self.hooks.on_attempt is not None:
             try:  # (it observes only: what it raises is logged, never the run's end)
                 self.hooks.on_attempt(item, attempt.status, attempt.error)
+            except (KeyboardInterrupt, SystemExit) as e:
+                self._escape(e)
             except Exception:
                 self.hook_errors += 1
                 if self.hook_errors == 1:  # (once with its traceback: not one per request)
@@ -641,9 +666,20 @@ class Run:
                 continue  # (no Result made where no hook takes it)
             result = rec.result()
             if on_result is not None:
-                _call(on_result, result, "on_result")
+                self._call(on_result, result, "on_result")
             if failure and on_failure is not None:
-                _call(on_failure, result, "on_failure")
+                self._call(on_failure, result, "on_failure")
+
+    def _call(self, hook: Callable[[Result], None], result: Result, name: str) -> None:
+        """An application's result hook: what it raises is logged, never the run's end; but a
+        KeyboardInterrupt or SystemExit stops the run (``_escape``; the batch's other records
+        still count, and reach the hooks)."""
+        try:
+            hook(result)
+        except (KeyboardInterrupt, SystemExit) as e:
+            self._escape(e)
+        except Exception:
+            log.exception("%s hook failed for ID %r", name, result.id)
 
     def _on_storage_error(self, error: StorageError) -> None:
         self.stop.set(Halt("storage", None, str(error)))
@@ -715,14 +751,6 @@ async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-
-
-def _call(hook: Callable[[Result], None], result: Result, name: str) -> None:
-    """An application's result hook: what it raises is logged, never the run's end."""
-    try:
-        hook(result)
-    except Exception:
-        log.exception("%s hook failed for ID %r", name, result.id)
 
 
 async def _finish(task: asyncio.Future[Any]) -> None:

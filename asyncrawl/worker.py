@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 from .config import Config, key_fingerprint
-from .fetch import Attempt, Fetcher, Outcome, Request
+from .fetch import Attempt, Fetcher, Outcome, Request, SessionClosed
 from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .records import Commit, Record
@@ -371,13 +371,17 @@ class Worker:
                 continue
             first = self._first(item)  # (what this try says of the API: before it counts)
             earlier = item.sent
-            attempt = await self._send(item, lane, first, request)
+            try:
+                attempt = await self._send(item, lane, first, request)
+            except SessionClosed:  # (the run stops, then raises it; the ID stays held)
+                self.flying.discard(item.id)
+                self._sent_nothing(item, sent, earlier)
+                budget.release(False)
+                gov.unused(ticket)
+                raise
             del held[id(item)]  # no await from here on: it is parked or settled below
             if attempt.sent_nothing:  # (failed before it had its connection: not a request)
-                self.requests -= 1
-                self.retries -= earlier  # (nor a retry: the ID's next try is, if one left)
-                item.sent = earlier
-                self.sink.put(sent.unsent(earlier))
+                self._sent_nothing(item, sent, earlier)
             if attempt.unanswered:  # possibly billed, whatever comes of the ID now
                 self.unanswered += 1
                 self.sink.put(Record.unanswered(item.id))
@@ -402,6 +406,15 @@ class Worker:
             self.act(item, attempt, verdict, lane)
             if budget.exhausted and not self.ledger.done.is_set():  # (the pass's last ID:
                 stop.set(budget_halt(budget))  # finished; a pass 2 is halted before it starts)
+
+    def _sent_nothing(self, item: Item, sent: Record, earlier: bool) -> None:
+        """The try whose intent is ``sent`` ended before a request left (``earlier``: one for
+        the ID left before in this pass): it is no request, nor a retry (the ID's next try
+        is, if one left), and its intent is taken back."""
+        self.requests -= 1
+        self.retries -= earlier
+        item.sent = earlier
+        self.sink.put(sent.unsent(earlier))
 
     def _withdraw(self, item: Item, sent: Record) -> None:
         """``sent`` was committed (or may yet be) but its request does not leave: its budget

@@ -1229,3 +1229,69 @@ async def test_a_state_of_another_job_is_refused_in_the_library_s_terms(api: Moc
     async with Crawler(replace(other, reuse_state=True)) as crawler:
         summary = await crawler.run(["a", "c"])
     assert summary.ok == 2  # ("a" was settled by the old job: kept; "c" fetched)
+
+
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt])
+async def test_a_request_hook_that_exits_keeps_the_answers_in_flight(
+        state: Path, exc: type[BaseException]) -> None:
+    """A KeyboardInterrupt or SystemExit from a hook stops the run as any error of it does:
+    the requests in flight get the grace period and their paid answers are kept, then it is
+    raised. asyncio let it out of the event loop at once: the answers in flight were lost
+    (in doubt), and a rerun bought them again."""
+    async with MockAPI(api_key=KEY, latency=0.2) as api:
+        def build(item: str) -> Request:
+            if item == "x20":
+                raise exc("the application wants out")
+            return Request("GET", api.item_url.replace("{id}", item), {"X-Api-Key": KEY})
+
+        with pytest.raises(exc, match="wants out"):
+            await Crawler(fast_config(api, state), request_for=build).run(
+                [f"x{i}" for i in range(100)])
+        paid = api.paid()
+    ok = {row[0] for row in db_rows(state, "SELECT id FROM results WHERE outcome = 'ok'")}
+    assert len(paid) >= 8 and set(paid) == ok  # the 8 in flight among them, recorded
+    assert db_rows(state, "SELECT count(*) FROM items WHERE doubt IS NOT NULL") == [(0,)]
+    assert len(paid) < 100
+    assert db_rows(state, "SELECT halt_reason FROM runs") == [("error",)]
+
+
+async def test_a_result_hook_that_exits_stops_the_run_and_every_result_counts(
+        state: Path) -> None:
+    """It surfaced only once every ID had been fetched (a 10-M-ID job spending on), and the
+    rest of its batch was neither counted nor shown to the hook."""
+    seen: list[str] = []
+
+    def on_result(r: Result) -> None:
+        seen.append(r.id)
+        if len(seen) == 1:
+            raise SystemExit("enough")
+
+    async with MockAPI(api_key=KEY, latency=0.01) as api:
+        crawler = Crawler(fast_config(api, state, rate=200.0), on_result=on_result)
+        with pytest.raises(SystemExit, match="enough"):
+            await crawler.run([f"r{i}" for i in range(400)])
+        paid = api.paid()
+    ok = {row[0] for row in db_rows(state, "SELECT id FROM results WHERE outcome = 'ok'")}
+    assert set(paid) == ok == set(seen) and len(seen) == crawler.ok
+    assert len(paid) < 400
+
+
+async def test_a_session_closed_by_the_application_mid_run(state: Path) -> None:
+    """aiohttp's RuntimeError came out of the run (not an AsyncrawlError), and the IDs whose
+    request it refused, never sent, were listed in doubt."""
+    async with MockAPI(api_key=KEY, latency=0.05) as api:
+        session = aiohttp.ClientSession()
+        crawler = Crawler(fast_config(api, state, concurrency=4), session=session)
+        run = asyncio.create_task(crawler.run([f"c{i}" for i in range(200)]))
+        deadline = asyncio.get_running_loop().time() + 30
+        while crawler.ok < 8:
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        await session.close()
+        with pytest.raises(ConfigError, match="session given to the Crawler was closed"):
+            await run
+        seen = set(api.starts())
+    doubt = {row[0] for row in db_rows(state, "SELECT id FROM items WHERE doubt IS NOT NULL")}
+    assert doubt <= seen  # (only requests that left)
+    sent = {row[0] for row in db_rows(state, "SELECT id FROM items WHERE sends > 0")}
+    assert sent == seen
