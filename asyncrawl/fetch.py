@@ -289,10 +289,29 @@ def body_code(code: Any) -> int:
     """An error code found in a body (``[response] error_field``) as a status to classify: an
     integer, also when written as a string or a float (``"402"``, ``402.0``: many APIs send
     their codes so); anything else (a word, ``true``, a fraction) counts as a 400."""
-    if ((isinstance(code, float) and code.is_integer())
-            or (isinstance(code, str) and code.strip().isdecimal())):
-        code = int(code)
-    return code if isinstance(code, int) and not isinstance(code, bool) else 400
+    number = _integer(code)
+    return 400 if number is None else number
+
+
+def _integer(code: Any) -> int | None:
+    """``code`` as the integer it writes (``402``, ``"402"``, ``402.0``), or ``None``."""
+    if isinstance(code, bool):
+        return None
+    if isinstance(code, int):
+        return code
+    if (isinstance(code, float) and code.is_integer()) or (
+            isinstance(code, str) and code.strip().isdecimal()):
+        return int(code)
+    return None
+
+
+def is_success(code: Any, values: tuple[Any, ...]) -> bool:
+    """Whether an ``error_field`` value is one of ``[response] success_values``: as written,
+    or as the same integer however either writes it (``"0"``, ``0.0`` and ``0`` are one)."""
+    if any(v == code and isinstance(v, bool) is isinstance(code, bool) for v in values):
+        return True  # (as written: but true is not 1)
+    number = _integer(code)
+    return number is not None and any(_integer(v) == number for v in values)
 
 
 def _field(data: Any, dotted: str) -> Any:
@@ -590,11 +609,9 @@ class Fetcher:
         effective = status
         if body_ok and cfg.error_field and outcome is Outcome.OK:
             code = _field(data, cfg.error_field)
-            if code is not None and code not in cfg.success_values:
-                effective = body_code(code)
+            if code is not None and not is_success(code, cfg.success_values):
+                effective = body_code(code)  # (a 2xx code is a success, as a 2xx status is)
                 outcome = status_class(effective, cfg)
-                if outcome is Outcome.OK:
-                    outcome = Outcome.SKIP
         if self.classify is not None:
             verdict = self.classify(Response(item_id, status, CIMultiDict(headers), data, body_ok))
             if verdict is not None:

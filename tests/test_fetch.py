@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import random
 import socket
 import subprocess
@@ -434,6 +435,31 @@ async def test_small_gzip_body_is_decoded(server: Server, session: aiohttp.Clien
     ("E402", 400), (401.5, 400), (True, 400), ("", 400), ([402], 400)])  # anything else: a 400
 def test_a_body_code_is_a_status_however_the_api_writes_it(code: object, status: int) -> None:
     assert body_code(code) == status
+
+
+async def code_in_body(request: web.Request) -> web.Response:
+    """200 with ``{"code": X}``, X the JSON the ID writes."""
+    return web.json_response({"code": json.loads(request.match_info["id"]), "data": 1})
+
+
+@pytest.mark.parametrize(("code", "success", "outcome"), [
+    (200, [], Outcome.OK), ("200", [], Outcome.OK), (204.0, [], Outcome.OK),  # a 2xx: a success
+    (402, [], Outcome.FATAL), ("503", [], Outcome.RETRY), (404, [], Outcome.SKIP),
+    (0, [], Outcome.RETRY), (0, [0], Outcome.OK), ("0", [0], Outcome.OK), (0, ["0"], Outcome.OK),
+    (0.0, [0], Outcome.OK), ("ok", ["ok"], Outcome.OK), ("OK", ["ok"], Outcome.SKIP),
+    ([1], [[1]], Outcome.OK), (True, [1], Outcome.SKIP), (1, [True], Outcome.RETRY)])
+async def test_a_code_in_the_body_is_classified_like_a_status(
+        session: aiohttp.ClientSession, code: object, success: list[object],
+        outcome: Outcome) -> None:
+    """A 2xx code was a skip (a paid result bought again in pass 2, then dropped), and a
+    success value matched only as the API wrote it (``"0"`` against ``0``: bought again)."""
+    async for srv in serve("127.0.0.1", lambda _: [web.get("/code/{id}", code_in_body)]):
+        a = await attempt(session, srv.base + "/code/{id}", json.dumps(code),
+                          error_field="code", success_values=success)
+        assert a.outcome is outcome, a
+        assert a.billable
+        if outcome is Outcome.OK:
+            assert a.data == {"code": code, "data": 1}
 
 
 async def test_timeout_is_retry(server: Server, session: aiohttp.ClientSession) -> None:
