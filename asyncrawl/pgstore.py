@@ -35,7 +35,7 @@ committed transaction is on disk). Tables (created on first use, in the connecti
     asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
                    ended, error, halt_reason, halt_status, halt_message, live)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
-                    generation, lease_owner, lease_until, sent_run, sends, doubt)
+                    generation, lease_owner, lease_until, sent_run, sends, doubt, answered)
     asyncrawl_blocks(job, digest, seq, n, ids)                  IDs merged, a block a row;
                                                                  ``ids`` NULL once taken in
     asyncrawl_ledger(job, day, endpoint, run, sent, billable)   (a row per run: no two runs'
@@ -93,7 +93,8 @@ HEARTBEAT = 0.3  # seconds between heartbeats: leases, liveness, halts, pauses
 LATER_COLUMNS = (
     "asyncrawl_jobs.rate_cut", "asyncrawl_jobs.rate_cut_at", "asyncrawl_jobs.rate_cut_run",
     "asyncrawl_jobs.breaker_run", "asyncrawl_jobs.breaker_until", "asyncrawl_jobs.budget_gen",
-    "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live", "asyncrawl_runs.idle")
+    "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live", "asyncrawl_runs.idle",
+    "asyncrawl_items.answered")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
@@ -141,6 +142,7 @@ CREATE TABLE IF NOT EXISTS asyncrawl_items (
     lease_until double precision, sent_run bigint, sends integer NOT NULL DEFAULT 0,
     doubt integer, PRIMARY KEY (job, id)
 );
+ALTER TABLE asyncrawl_items ADD COLUMN IF NOT EXISTS answered integer NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS asyncrawl_items_open ON asyncrawl_items (job, lease_until)
     WHERE state IS NULL OR state IN ('failed', 'perm');
 CREATE INDEX IF NOT EXISTS asyncrawl_items_state ON asyncrawl_items (job, state)
@@ -960,6 +962,7 @@ class PgStore:
         sent: list[str] = []
         calls: list[tuple[str | None, str, str | None]] = []  # the intents: (id, day, key)
         outcomes: list[Record] = []
+        answered: list[str] = []  # IDs of calls answered, not billed (an ID once a call)
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         for rec in records:
@@ -978,6 +981,8 @@ class PgStore:
                            (rec.paid, self.job_name, rec.id))
             elif kind == "run":
                 self._start_run(rec)
+            elif kind == "answered":
+                answered.append(rec.id or "")
             elif kind == "unanswered":  # (its outcome, if in this batch, is flushed later)
                 db.execute("UPDATE asyncrawl_items SET doubt = CASE WHEN state = 'ok' THEN 3 "
                            "ELSE 2 END WHERE job = %s AND id = %s AND doubt IS NULL",
@@ -1004,6 +1009,10 @@ class PgStore:
                 for key, n in rec.paid_keys().items():
                     keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
+        if answered:  # (after the intents: an ID's row is there)
+            db.execute("UPDATE asyncrawl_items i SET answered = i.answered + a.n FROM (SELECT "
+                       "id, count(*) AS n FROM unnest(%s::text[]) AS id GROUP BY id) a "
+                       "WHERE i.job = %s AND i.id = a.id", (answered, self.job_name))
         for item_id, day, fp in calls:  # the intents written (refused ones are not sent)
             if item_id not in self._refused:
                 ledger[(day, self._endpoint, "sent")] += 1
@@ -1068,14 +1077,20 @@ class PgStore:
                     "SELECT day, key, sum(sent), sum(billable) FROM asyncrawl_key_ledger "
                     "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)))
             doubt: dict[int, int] = {}  # IDs by doubt
-            unsure = 0  # (their calls not known answered ok)
+            unsure = 0  # (their calls with no answer known)
+            # (a job of an earlier release, not run since: any call not billed)
+            lost = "greatest(sends - paid - answered, 0)" if self._has_answered(db) else \
+                "greatest(sends - paid, 0)"
             for value, n, calls in db.execute(
-                    "SELECT doubt, count(*), sum(greatest(sends - paid, 0)) FROM asyncrawl_items "
+                    f"SELECT doubt, count(*), sum({lost}) FROM asyncrawl_items "
                     "WHERE job = %s AND doubt IS NOT NULL GROUP BY doubt", (self.job_name,)):
                 doubt[value], unsure = n, unsure + int(calls or 0)
             live = self._runs_alive(db, LIVE)
-            open_sent, open_unanswered = db.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM asyncrawl_items "
+            # the calls of the open intents not in doubt: in flight, or answered and to be
+            # tried again
+            open_sent, open_unanswered, open_lost = db.execute(
+                "SELECT count(*), count(*) FILTER (WHERE doubt = 2), "
+                f"coalesce(sum({lost}) FILTER (WHERE doubt IS NULL), 0) FROM asyncrawl_items "
                 f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}",
                 (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
@@ -1096,7 +1111,16 @@ class PgStore:
                         ledger=tuple(ledger), keys=keys,
                         unanswered=doubt.get(2, 0) - (open_unanswered if not live else 0),
                         unanswered_refetched=doubt.get(3, 0),
-                        unsure_calls=unsure + open_sent - open_unanswered)
+                        unsure_calls=unsure + int(open_lost))
+
+    @staticmethod
+    def _has_answered(db: Any) -> bool:
+        """Whether the job's items table has the ``answered`` column (a reader of a database
+        no run of this release has opened does without)."""
+        return bool(db.execute(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+            "current_schema() AND table_name = 'asyncrawl_items' AND column_name = 'answered'"
+        ).fetchone()[0])
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = list(EXPORT_STATES[outcome])

@@ -14,6 +14,8 @@ A run writes records; a store keeps them and answers from them. Kinds:
 ``unavailable`` the ID failed again in pass 2 (confirmed)                         } an ID's state
 ``unanswered`` a request for the ID left and no answer came (a timeout after the connect, a
                dropped connection): it may have reached the server, possibly billed
+``answered``   a request for the ID got an answer that is not billable (an error status): a
+               call known not to be billed, wherever the ID ends (in doubt, say)
 ``billed``     2xx answers of an ID left unsettled at the end of a pass (``paid``)
 ``halt``       why a run stopped early (``status``, ``error``; ``extra``: reason)
 ``mark``       how far into its IDs file the run has got: every ID before ``extra["frontier"]``
@@ -139,6 +141,13 @@ class Record(_RecordFields):
         connect, a dropped connection): it may have reached the server, possibly billed
         (possibly billed twice once the ID is fetched)."""
         return tuple.__new__(cls, ("unanswered", id, None, None, False, None, 1, 0, 0,
+                                   time.time(), None, None, None))
+
+    @classmethod
+    def answered(cls, id: str) -> Record:
+        """The record that a request for ``id`` got an answer that is not billable (an error
+        status): the call is known answered, not billed, even where the ID ends in doubt."""
+        return tuple.__new__(cls, ("answered", id, None, None, False, None, 1, 0, 0,
                                    time.time(), None, None, None))
 
     def unsent(self, earlier: bool = False) -> Record:

@@ -18,12 +18,14 @@ fsync of the WAL, and records the number of its last batch ('applied' in ``meta`
 Tables (``records.py`` says what each record means)::
 
     items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt,
-          payload, pieces)
+          payload, pieces, answered)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
         failed, perm, unavailable; ``payload`` the first row of ``payloads`` holding the ok
         payload and ``pieces`` in how many (NULL: one, written by schema 3; ``data``: where
         schema 2 and before kept it, in the row); ``sent_run`` the run whose ``sent``
-        intent has no outcome yet; ``sends`` the requests ever sent for it;
+        intent has no outcome yet; ``sends`` the requests ever sent for it, ``paid`` those
+        answered 2xx (billable) and ``answered`` those answered otherwise (schema 5): the
+        rest got no answer the state knows of (in doubt, unanswered, in flight);
         ``doubt`` NULL or 0 to 3: in doubt (a run cut off) or unanswered, and whether
         fetched ok since (``records.NOT_IN_DOUBT``)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
@@ -87,7 +89,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 DB = "state.db"
-SCHEMA_VERSION = 4  # 2: key_ledger; 3: payloads; 4: payloads in pieces
+SCHEMA_VERSION = 5  # 2: key_ledger; 3: payloads; 4: payloads in pieces; 5: answered
 ROW_COST = 32  # bytes of the file a payload's extra row must save (``_cut``)
 
 
@@ -122,7 +124,9 @@ CREATE VIEW results AS
 """, 3: """
 ALTER TABLE items ADD COLUMN pieces INTEGER;
 DROP VIEW results;
-""" + RESULTS_VIEW}
+""" + RESULTS_VIEW, 4: """
+ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0;
+"""}
 CHUNK = 900  # IDs per block read (``unsettled``)
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
@@ -143,7 +147,8 @@ CREATE TABLE items (
     sends INTEGER NOT NULL DEFAULT 0,
     doubt INTEGER,
     payload INTEGER,
-    pieces INTEGER
+    pieces INTEGER,
+    answered INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE INDEX items_open ON items (sent_run) WHERE state IS NULL OR state IN ('failed', 'perm');
@@ -576,6 +581,8 @@ class SqliteStore:
                                         rec.stored_payload() if kind == "ok" else None))
             elif kind == "billed":
                 groups.billed.append((rec.paid, rec.id))
+            elif kind == "answered":
+                groups.answered.append((rec.id,))
             elif kind == "run":
                 self._flush(groups)
                 groups = _Groups(day[1])
@@ -608,6 +615,9 @@ class SqliteStore:
             _many(self._db, UPSERT_OUTCOME, self._store_payloads(g.outcomes))
         if g.billed:
             self._db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
+        if g.answered:
+            self._db.executemany("UPDATE items SET answered = answered + 1 WHERE id = ?",
+                                 g.answered)
         if g.ledger:
             _many(self._db, ADD_LEDGER, call_rows(g.ledger))
         if g.keys:
@@ -738,13 +748,19 @@ class SqliteStore:
                 keys = tuple(db.execute("SELECT day, key, sent, billable FROM key_ledger "
                                         "ORDER BY day, key"))
             doubt: dict[int, int] = {}  # IDs by doubt
-            unsure = 0  # (their calls not known answered ok)
-            for value, n, calls in db.execute("SELECT doubt, count(*), sum(max(sends - paid, 0)) "
-                                              "FROM items WHERE doubt IS NOT NULL GROUP BY doubt"):
+            unsure = 0  # (their calls with no answer known)
+            lost = "max(sends - paid - answered, 0)" if self._version >= 5 else \
+                "max(sends - paid, 0)"  # (schema 4 and before: any call not billed)
+            for value, n, calls in db.execute(f"SELECT doubt, count(*), sum({lost}) FROM items "
+                                              "WHERE doubt IS NOT NULL GROUP BY doubt"):
                 doubt[value], unsure = n, unsure + (calls or 0)
-            open_sent, open_unanswered = db.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2) FROM items WHERE {OPEN} "
-                f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}").fetchone()
+            # the calls of the open intents not in doubt: in flight, or answered and to be
+            # tried again (schema 4 and before: one each)
+            calls_open = f"coalesce(sum({lost}) FILTER (WHERE doubt IS NULL), 0)" \
+                if self._version >= 5 else "count(*) FILTER (WHERE doubt IS NULL)"
+            open_sent, open_unanswered, open_lost = db.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2), {calls_open} FROM items "
+                f"WHERE {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}").fetchone()
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
             ids = self._unapplied_intents()
             unapplied, logged_unanswered = len(ids), 0
@@ -767,7 +783,7 @@ class SqliteStore:
                         unanswered=doubt.get(2, 0) - (open_unanswered + logged_unanswered
                                                       if crashed else 0),
                         unanswered_refetched=doubt.get(3, 0),
-                        unsure_calls=unsure + open_sent - open_unanswered)
+                        unsure_calls=unsure + open_lost + unapplied)
 
     @contextlib.contextmanager
     def _with_payloads(self, columns: str, where: str,
@@ -973,13 +989,14 @@ class _Groups:
     the calls of its current UTC date (``day``), counted in two integers rather than a
     ``Counter`` update a record, and added to the ledger's rows by ``count_calls``."""
 
-    __slots__ = ("billable", "billed", "calls", "day", "keys", "last", "ledger", "outcomes",
-                 "sent")
+    __slots__ = ("answered", "billable", "billed", "calls", "day", "keys", "last", "ledger",
+                 "outcomes", "sent")
 
     def __init__(self, day: str) -> None:
         self.sent: list[str | None] = []  # the IDs of the intents
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
+        self.answered: list[tuple[str | None]] = []
         self.ledger: Counter[tuple[str, str, str]] = Counter()
         self.keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         self.last: list[Record] = []  # halt, end

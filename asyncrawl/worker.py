@@ -385,6 +385,8 @@ class Worker:
             if attempt.unanswered:  # possibly billed, whatever comes of the ID now
                 self.unanswered += 1
                 self.sink.put(Record.unanswered(item.id))
+            elif attempt.status is not None and not attempt.billable:  # (an error answer: not
+                self.sink.put(Record.answered(item.id))  # lost, wherever the ID ends)
             budget.release(attempt.billable)
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429

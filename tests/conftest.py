@@ -178,9 +178,16 @@ def _rewrite(db_path: Path, script: str) -> None:
         db.close()
 
 
+def as_schema_4(db_path: Path) -> None:
+    """Make a state database of this release one of schema 4 (no ``answered`` count), as the
+    release before 5 left it."""
+    _rewrite(db_path, "ALTER TABLE items DROP COLUMN answered; PRAGMA user_version = 4;")
+
+
 def as_schema_3(db_path: Path) -> None:
     """Make a state database of this release one of schema 3 (each payload one row of
     ``payloads``, never in pieces), as the release before 4 left it."""
+    as_schema_4(db_path)
     _rewrite(db_path, """
         UPDATE items SET data = (SELECT CAST(group_concat(data, '') AS BLOB) FROM (
             SELECT data FROM payloads WHERE id BETWEEN items.payload

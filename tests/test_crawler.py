@@ -1295,3 +1295,30 @@ async def test_a_session_closed_by_the_application_mid_run(state: Path) -> None:
     assert doubt <= seen  # (only requests that left)
     sent = {row[0] for row in db_rows(state, "SELECT id FROM items WHERE sends > 0")}
     assert sent == seen
+
+
+async def test_the_calls_with_no_answer_known_are_those_cut_off_not_every_error_answer(
+        state: Path) -> None:
+    """Every call of an ID in doubt counted as possibly billed (``no_answer``), its error
+    answers too: eight IDs answered 500 a dozen times, then cut off once each, showed ~100
+    calls possibly billed and none not billed."""
+    faults = {f"e{i}": Fault("gone") for i in range(8)}
+    async with MockAPI(api_key=KEY, faults=faults, latency=0.1) as api:
+        cfg = fast_config(api, state, max_tries=1000, backoff_base=0.001, backoff_max=0.002,
+                          grace=0.01)
+        crawler = Crawler(cfg)
+        run = asyncio.create_task(crawler.run(list(faults)))
+        deadline = asyncio.get_running_loop().time() + 30
+        while sum(api.counts().values()) < 40:  # (answers: ~5 an ID)
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        crawler.stop()
+        crawler.stop()  # (the grace cut short: the requests in flight are cut off)
+        s = await run
+    assert s.halt is not None and s.halt.reason == "signal"
+    st = status(cfg)
+    cut = len(exported(cfg, "in-doubt"))
+    assert cut >= 1 and st["in_doubt"] == cut
+    assert st["billable"] == 0 and st["requests_sent"] >= 40
+    assert st["no_answer"] == cut  # one call each, the one cut off
+    assert st["not_billed"] == st["requests_sent"] - cut

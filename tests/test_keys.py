@@ -228,7 +228,7 @@ async def test_a_state_of_schema_1_is_upgraded_on_open(keyed: Any, tmp_path: Pat
         s = await c.run(["a", "b", "c"])
     assert s.ok == 3
     db = sqlite3.connect(tmp_path / "state" / "state.db")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 4
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 5
     db.close()
     assert sum(r["sent"] for r in status(cfg)["keys"]) == 1  # only "c" was sent since
 

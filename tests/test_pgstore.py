@@ -1425,3 +1425,27 @@ def test_a_fresh_database_gets_the_whole_schema() -> None:
     finally:
         with psycopg.connect(PG, autocommit=True) as db:
             db.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+async def test_the_calls_with_no_answer_known_are_those_cut_off_in_a_job(job: str) -> None:
+    """As on a local state (test_crawler): an ID's error answers are known not billed, also
+    when the ID ends in doubt; only the call cut off counts as possibly billed."""
+    from asyncrawl import Crawler
+
+    faults = {f"e{i}": Fault("gone") for i in range(8)}
+    async with MockAPI(api_key=KEY, faults=faults, latency=0.1) as api:
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job, max_tries=1000,
+                          backoff_base=0.001, backoff_max=0.002, grace=0.01)
+        crawler = Crawler(cfg)
+        run = asyncio.create_task(crawler.run(list(faults)))
+        deadline = asyncio.get_running_loop().time() + 30
+        while sum(api.counts().values()) < 40:
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        crawler.stop()
+        crawler.stop()
+        await run
+    snap = read_store(PG, job=job).snapshot()
+    cut = len(list(read_store(PG, job=job).in_doubt()))
+    assert cut >= 1 and snap.in_doubt == cut and snap.sent >= 40
+    assert snap.unsure_calls == cut

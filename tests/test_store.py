@@ -27,7 +27,7 @@ from asyncrawl.sqlstore import DB, PAGE_SIZE, _cell, _cut, _packed
 from asyncrawl.store import open_store, read_store
 from asyncrawl.writer import ProcessWriter, Writer
 
-from .conftest import as_schema_2, as_schema_3, db_rows, live_processes, outcomes_of, sends_of
+from .conftest import as_schema_2, as_schema_3, as_schema_4, db_rows, live_processes, outcomes_of, sends_of
 
 TS = 1_700_000_000.0  # 2023-11-14 UTC
 JOB = {"method": "GET", "url": "https://api.example.com/v1/notes/{id}", "params": {}}
@@ -244,7 +244,7 @@ async def test_a_reader_opened_before_an_upgrade_reads_payloads_whole(tmp_path: 
     reader = read_store(state)
     await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
                             Record("ok", "big", status=200, raw=BIG, paid=1, ts=TS)])
-    assert db_rows(state, "PRAGMA user_version") == [(4,)]
+    assert db_rows(state, "PRAGMA user_version") == [(5,)]
     assert dict(reader.payloads())["big"] == BIG
     assert {r.id: r.raw for r in reader.records("ok")}["big"] == BIG
 
@@ -277,7 +277,7 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
         ("a", {"title": "Ünïcode ☃", "n": 1}), ("d/ü", {"x": [1, "two", None]})]
     await committed(state, [Record("run", ts=TS, extra={"version": "t", "pid": 2, "job": JOB}),
                             Record("ok", "e", status=200, data={"e": 1}, paid=1, ts=TS)])
-    assert db_rows(state, "PRAGMA user_version") == [(4,)]
+    assert db_rows(state, "PRAGMA user_version") == [(5,)]
     ok = {r.id: r.payload for r in read_store(state).records("ok")}
     assert ok == {"a": {"title": "Ünïcode ☃", "n": 1}, "d/ü": {"x": [1, "two", None]},
                   "e": {"e": 1}}
@@ -1054,3 +1054,21 @@ def test_a_zygote_never_handed_a_run_ends_with_its_parent(tmp_path: Path) -> Non
     assert proc.returncode == -9
     child = int(proc.stdout)
     _poll(lambda: child not in live_processes())
+
+
+async def test_error_answers_of_an_id_in_doubt_are_not_calls_with_no_answer(
+        tmp_path: Path) -> None:
+    """An ID answered 500 twice, then cut off: one call with no answer known (each of its
+    calls was, before ``answered`` records: schema 4, read as it is, says so still)."""
+    state = tmp_path / "state"
+    await committed(state, [RECORDS[0], Record.sent("x"), Record.answered("x")],
+                    [Record.sent("x"), Record.answered("x"), Record.sent("x")],
+                    [Record("end", extra={"in_doubt": ["x"]})])
+    snap = read_store(state).snapshot()
+    assert (snap.sent, snap.in_doubt, snap.unsure_calls) == (3, 1, 1)
+    assert db_rows(state, "SELECT sends, paid, answered FROM items") == [(3, 0, 2)]
+    as_schema_4(state / DB)
+    assert read_store(state).snapshot().unsure_calls == 3
+    await committed(state)  # (a run's open upgrades it)
+    assert db_rows(state, "PRAGMA user_version") == [(5,)]
+    assert db_rows(state, "SELECT sends, answered FROM items") == [(3, 0)]
