@@ -35,7 +35,8 @@ committed transaction is on disk). Tables (created on first use, in the connecti
     asyncrawl_runs(run, job, generation, host, pid, version, started, heartbeat, merging,
                    ended, error, halt_reason, halt_status, halt_message, live)
     asyncrawl_items(job, id, state, status, error, pass, tries, paid, fetched_at, data,
-                    generation, lease_owner, lease_until, sent_run, sends, doubt, answered)
+                    generation, lease_owner, lease_until, sent_run, sends, doubt, answered,
+                    unusable)
     asyncrawl_blocks(job, digest, seq, n, ids)                  IDs merged, a block a row;
                                                                  ``ids`` NULL once taken in
     asyncrawl_ledger(job, day, endpoint, run, sent, billable)   (a row per run: no two runs'
@@ -74,6 +75,7 @@ from .records import (
     I_NOT_IN_DOUBT,
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
+    Bought,
     Counts,
     Record,
     Snapshot,
@@ -94,7 +96,7 @@ LATER_COLUMNS = (
     "asyncrawl_jobs.rate_cut", "asyncrawl_jobs.rate_cut_at", "asyncrawl_jobs.rate_cut_run",
     "asyncrawl_jobs.breaker_run", "asyncrawl_jobs.breaker_until", "asyncrawl_jobs.budget_gen",
     "asyncrawl_jobs.budget_taken", "asyncrawl_runs.live", "asyncrawl_runs.idle",
-    "asyncrawl_items.answered")
+    "asyncrawl_items.answered", "asyncrawl_items.unusable")
 RECENT_CUT = 60.0  # a run takes a cut of the job's rate published up to this long before it began
 BREAKER_HOLD = 1.0  # seconds an open breaker holds the other runs, renewed at each heartbeat
 ROLLED_BACK = frozenset({"40001", "40P01"})  # serialization failure, deadlock detected
@@ -142,7 +144,8 @@ CREATE TABLE IF NOT EXISTS asyncrawl_items (
     lease_until double precision, sent_run bigint, sends integer NOT NULL DEFAULT 0,
     doubt integer, PRIMARY KEY (job, id)
 );
-ALTER TABLE asyncrawl_items ADD COLUMN IF NOT EXISTS answered integer NOT NULL DEFAULT 0;
+ALTER TABLE asyncrawl_items ADD COLUMN IF NOT EXISTS answered integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS unusable integer NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS asyncrawl_items_open ON asyncrawl_items (job, lease_until)
     WHERE state IS NULL OR state IN ('failed', 'perm');
 CREATE INDEX IF NOT EXISTS asyncrawl_items_state ON asyncrawl_items (job, state)
@@ -844,6 +847,15 @@ class PgStore:
             return {r[0]: r[1] for r in rows}
         return await asyncio.to_thread(go)
 
+    async def unusable(self, ids: Sequence[str]) -> dict[str, Bought]:
+        def go() -> dict[str, Bought]:
+            with self._db("work", "read the job") as db:
+                return {r[0]: Bought(*r[1:]) for r in db.execute(
+                    "SELECT id, unusable, status, error, coalesce(tries, 0) FROM "
+                    "asyncrawl_items WHERE job = %s AND id = ANY(%s) AND unusable > 0",
+                    (self.job_name, list(ids)))}
+        return await asyncio.to_thread(go)
+
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """(Not used for a shared job: its runs ``merge`` and ``claim``.)"""
         raise NotImplementedError("a shared job's IDs are merged and claimed")
@@ -962,7 +974,7 @@ class PgStore:
         sent: list[str] = []
         calls: list[tuple[str | None, str, str | None]] = []  # the intents: (id, day, key)
         outcomes: list[Record] = []
-        answered: list[str] = []  # IDs of calls answered, not billed (an ID once a call)
+        counted: dict[str, list[str]] = {"answered": [], "unusable": []}  # an ID once a call
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         for rec in records:
@@ -981,8 +993,8 @@ class PgStore:
                            (rec.paid, self.job_name, rec.id))
             elif kind == "run":
                 self._start_run(rec)
-            elif kind == "answered":
-                answered.append(rec.id or "")
+            elif kind in counted:  # answered, unusable
+                counted[kind].append(rec.id or "")
             elif kind == "unanswered":  # (its outcome, if in this batch, is flushed later)
                 db.execute("UPDATE asyncrawl_items SET doubt = CASE WHEN state = 'ok' THEN 3 "
                            "ELSE 2 END WHERE job = %s AND id = %s AND doubt IS NULL",
@@ -1009,10 +1021,11 @@ class PgStore:
                 for key, n in rec.paid_keys().items():
                     keys[(day, key, "billable")] += n
         self._flush(sent, outcomes)
-        if answered:  # (after the intents: an ID's row is there)
-            db.execute("UPDATE asyncrawl_items i SET answered = i.answered + a.n FROM (SELECT "
-                       "id, count(*) AS n FROM unnest(%s::text[]) AS id GROUP BY id) a "
-                       "WHERE i.job = %s AND i.id = a.id", (answered, self.job_name))
+        for column, ids in counted.items():  # (after the intents: an ID's row is there)
+            if ids:
+                db.execute(f"UPDATE asyncrawl_items i SET {column} = i.{column} + a.n FROM "
+                           "(SELECT id, count(*) AS n FROM unnest(%s::text[]) AS id GROUP BY "
+                           "id) a WHERE i.job = %s AND i.id = a.id", (ids, self.job_name))
         for item_id, day, fp in calls:  # the intents written (refused ones are not sent)
             if item_id not in self._refused:
                 ledger[(day, self._endpoint, "sent")] += 1

@@ -16,6 +16,9 @@ A run writes records; a store keeps them and answers from them. Kinds:
                dropped connection): it may have reached the server, possibly billed
 ``answered``   a request for the ID got an answer that is not billable (an error status): a
                call known not to be billed, wherever the ID ends (in doubt, say)
+``unusable``   a request for the ID got a paid (2xx) answer that cannot be used (its body did
+               not parse, came cut short or too large): counted against ``paid_retries``
+               across runs
 ``billed``     2xx answers of an ID left unsettled at the end of a pass (``paid``)
 ``halt``       why a run stopped early (``status``, ``error``; ``extra``: reason)
 ``mark``       how far into its IDs file the run has got: every ID before ``extra["frontier"]``
@@ -150,6 +153,12 @@ class Record(_RecordFields):
         return tuple.__new__(cls, ("answered", id, None, None, False, None, 1, 0, 0,
                                    time.time(), None, None, None))
 
+    @classmethod
+    def unusable(cls, id: str) -> Record:
+        """The record that a request for ``id`` got a paid answer that cannot be used."""
+        return tuple.__new__(cls, ("unusable", id, None, None, False, None, 1, 0, 0,
+                                   time.time(), None, None, None))
+
     def unsent(self, earlier: bool = False) -> Record:
         """The record that this ``sent`` intent's request did not leave (``unsent``).
         ``earlier``: another request for the ID left in this run, unanswered for the state
@@ -224,6 +233,16 @@ class Record(_RecordFields):
                                    bool(obj.get("perm")), obj.get("data"), obj.get("p", 1),
                                    obj.get("n", 0), obj.get("paid", 0), obj.get("ts", 0.0),
                                    extra, None, None))
+
+
+class Bought(NamedTuple):
+    """What the state holds of an ID's paid answers that could not be used (``unusable``
+    records), with its latest outcome's status, error and tries."""
+
+    unusable: int
+    status: int | None
+    error: str | None
+    tries: int
 
 
 @dataclass(frozen=True, slots=True)

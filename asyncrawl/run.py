@@ -219,7 +219,8 @@ class Run:
         try:
             if shared is None:
                 writer.put(start)
-                await self._passes(self._first_pass_ids(source, store, ident), session, writer)
+                await self._passes(self._first_pass_ids(source, store, ident, writer), session,
+                                   writer)
             else:
                 await writer.commit(start)  # the run is registered before it claims
                 job = _Shared(shared, Heartbeat(
@@ -367,13 +368,14 @@ class Run:
                 await _finish(ticker)
 
     async def _first_pass_ids(self, source: IdsFile | AsyncIterator[list[str]], store: Store,
-                              ident: dict[str, Any] | None) -> AsyncIterator[Chunk]:
+                              ident: dict[str, Any] | None, writer: AnyWriter
+                              ) -> AsyncIterator[Chunk]:
         """The source's IDs minus duplicates and what earlier runs settled (the store dedups:
         memory does not grow with the list). A file the state has seen unchanged is read on
         from its frontier, after what the state holds unsettled before it."""
         if not isinstance(source, IdsFile):
             async for chunk in source:
-                todo, _ = await self._admit(chunk, store)
+                todo, _ = await self._admit(chunk, store, writer)
                 if todo:
                     yield todo, -1, None
             return
@@ -391,14 +393,14 @@ class Run:
             taken = 0
             held = await asyncio.to_thread(list, store.unsettled())
             for chunk in held:  # before the frontier: from the state, not the file
-                todo, _ = await self._admit(chunk, store)
+                todo, _ = await self._admit(chunk, store, writer)
                 taken += len(todo)
                 if todo:
                     yield todo, -1, None
             self.tally.skipped += max(0, unique - taken)
         block = 0
         async for chunk, at in source.marked_chunks(offset, line):
-            todo, fresh = await self._admit(chunk, store) if chunk else ([], 0)
+            todo, fresh = await self._admit(chunk, store, writer) if chunk else ([], 0)
             unique += fresh
             mark = None
             if at is not None:
@@ -427,43 +429,72 @@ class Run:
         """A shared job's IDs for the pass, leased from the job: pass 1 what has no outcome
         (or failed in an earlier generation of the job), pass 2 what failed in pass 1 (a
         permanent failure, unless it is to be checked again, settled unavailable at once)."""
-        cfg, history = self.config, self.history
+        cfg = self.config
         try:
             if pass_no == 1:
                 await job.heartbeat.join()
             size = max(64, 2 * cfg.concurrency)  # as much as the pass's queue holds
             async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,
                                        job.heartbeat):
-                todo = []
+                todo, earlier = [], []
                 for item, state, status, error, tries in batch:
                     if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:
                         writer.put(_unavailable(item, tries, status, error, permanent=True))
                         continue
-                    if state is not None and pass_no == 1:  # failed in an earlier generation:
-                        history[item] = Item(item, suspect=True)  # no evidence of an outage
+                    if state is not None:  # failed in an earlier generation, or in pass 1
+                        earlier.append(item)
                     todo.append(item)
+                if earlier:
+                    bought = await self._with_history(earlier, store=job.store, writer=writer,
+                                                      suspect=pass_no == 1)
+                    todo = [item for item in todo if item not in bought]
                 if todo:
                     await job.heartbeat.at_work()  # (re-joins first if it was idle)
                     yield todo, -1, None
         except StorageError as e:
             self._on_storage_error(e)
 
-    async def _admit(self, chunk: list[str], store: Store) -> tuple[list[str], int]:
+    async def _admit(self, chunk: list[str], store: Store, writer: AnyWriter
+                     ) -> tuple[list[str], int]:
         """Of a chunk, the IDs to fetch (not seen before in this run, not settled), and how
         many were not seen before."""
-        tally, history = self.tally, self.history
+        tally = self.tally
         fresh, duplicates = await store.admit(chunk)
         tally.duplicates += duplicates
         done = settled(self.config.recheck_unavailable)
-        todo = []
+        todo, earlier = [], []
         for item, was in fresh:
             if was in done:
                 tally.skipped += 1
                 continue
             if was is not None:  # failed in an earlier run
-                history[item] = Item(item, suspect=True)
+                earlier.append(item)
             todo.append(item)
+        if earlier:
+            bought = await self._with_history(earlier, store=store, writer=writer, suspect=True)
+            todo = [item for item in todo if item not in bought]
         return todo, len(fresh)
+
+    async def _with_history(self, items: list[str], *, store: Store, writer: AnyWriter,
+                            suspect: bool) -> set[str]:
+        """``items``, failed before (in an earlier run, or a shared job's pass 1), go into
+        the pass with their history: ``suspect`` (pass 1: their failures say nothing of an outage)
+        and the paid answers of theirs that could not be used, which ``paid_retries`` counts
+        across runs. Those already bought 1 + ``paid_retries`` times are settled unavailable
+        without a call, as pass 2 settles them (unless a recheck of unavailable IDs asks
+        for one more try in pass 1); they are returned."""
+        cap, recheck = self.config.paid_retries, suspect and self.config.recheck_unavailable
+        bought = await store.unusable(items)
+        done = set()
+        for item in items:
+            b = bought.get(item)
+            if b is not None and b.unusable > cap and not recheck:
+                writer.put(_unavailable(item, b.tries, b.status, b.error, permanent=False))
+                done.add(item)
+            elif suspect or b is not None:
+                self.history[item] = Item(item, suspect=suspect,
+                                          unusable=b.unusable if b is not None else 0)
+        return done
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
                                writer: AnyWriter) -> AsyncIterator[Chunk]:

@@ -18,7 +18,7 @@ fsync of the WAL, and records the number of its last batch ('applied' in ``meta`
 Tables (``records.py`` says what each record means)::
 
     items(id, state, status, error, pass, tries, paid, fetched_at, data, sent_run, sends, doubt,
-          payload, pieces, answered)
+          payload, pieces, answered, unusable)
         one row per ID the job has sent or settled: ``state`` NULL (not settled yet), ok,
         failed, perm, unavailable; ``payload`` the first row of ``payloads`` holding the ok
         payload and ``pieces`` in how many (NULL: one, written by schema 3; ``data``: where
@@ -26,6 +26,7 @@ Tables (``records.py`` says what each record means)::
         intent has no outcome yet; ``sends`` the requests ever sent for it, ``paid`` those
         answered 2xx (billable) and ``answered`` those answered otherwise (schema 5): the
         rest got no answer the state knows of (in doubt, unanswered, in flight);
+        ``unusable`` its paid answers that could not be used (schema 5);
         ``doubt`` NULL or 0 to 3: in doubt (a run cut off) or unanswered, and whether
         fetched ok since (``records.NOT_IN_DOUBT``)
     payloads(id, data)                      ok payloads as JSON (UTF-8, a blob that the
@@ -73,6 +74,7 @@ from .records import (
     EXPORT_STATES,
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
+    Bought,
     Counts,
     Record,
     Snapshot,
@@ -89,7 +91,7 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 DB = "state.db"
-SCHEMA_VERSION = 5  # 2: key_ledger; 3: payloads; 4: payloads in pieces; 5: answered
+SCHEMA_VERSION = 5  # 2: key_ledger; 3: payloads; 4: payloads in pieces; 5: answered, unusable
 ROW_COST = 32  # bytes of the file a payload's extra row must save (``_cut``)
 
 
@@ -126,8 +128,12 @@ ALTER TABLE items ADD COLUMN pieces INTEGER;
 DROP VIEW results;
 """ + RESULTS_VIEW, 4: """
 ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE items ADD COLUMN unusable INTEGER NOT NULL DEFAULT 0;
 """}
 CHUNK = 900  # IDs per block read (``unsettled``)
+# the records that count something of an ID, and the statement that counts one
+_COUNTED = {kind: f"UPDATE items SET {kind} = {kind} + 1 WHERE id = ?"
+            for kind in ("answered", "unusable")}
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
 
@@ -148,7 +154,8 @@ CREATE TABLE items (
     doubt INTEGER,
     payload INTEGER,
     pieces INTEGER,
-    answered INTEGER NOT NULL DEFAULT 0
+    answered INTEGER NOT NULL DEFAULT 0,
+    unusable INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE payloads (id INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE INDEX items_open ON items (sent_run) WHERE state IS NULL OR state IN ('failed', 'perm');
@@ -442,6 +449,18 @@ class SqliteStore:
         with self._reading():
             return _states(self._reader or self._db, ids)
 
+    async def unusable(self, ids: Sequence[str]) -> dict[str, Bought]:
+        return await _off_loop(self._unusable, list(ids))
+
+    def _unusable(self, ids: list[str]) -> dict[str, Bought]:
+        if self._version < 5:  # (no count kept)
+            return {}
+        with self._reading():
+            return {row[0]: Bought(*row[1:]) for row in (self._reader or self._db).execute(
+                "SELECT id, unusable, status, error, coalesce(tries, 0) FROM items WHERE "
+                "unusable > 0 AND id IN (SELECT value FROM json_each(?))",
+                (orjson.dumps(ids).decode(),))}
+
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
         """Of a chunk of this run's IDs, those it has not seen before, in order, with their
         state; and how many were duplicates."""
@@ -581,8 +600,8 @@ class SqliteStore:
                                         rec.stored_payload() if kind == "ok" else None))
             elif kind == "billed":
                 groups.billed.append((rec.paid, rec.id))
-            elif kind == "answered":
-                groups.answered.append((rec.id,))
+            elif kind in _COUNTED:  # answered, unusable
+                groups.counted[kind].append((rec.id,))
             elif kind == "run":
                 self._flush(groups)
                 groups = _Groups(day[1])
@@ -615,9 +634,9 @@ class SqliteStore:
             _many(self._db, UPSERT_OUTCOME, self._store_payloads(g.outcomes))
         if g.billed:
             self._db.executemany("UPDATE items SET paid = paid + ? WHERE id = ?", g.billed)
-        if g.answered:
-            self._db.executemany("UPDATE items SET answered = answered + 1 WHERE id = ?",
-                                 g.answered)
+        for kind, rows in g.counted.items():
+            if rows:
+                self._db.executemany(_COUNTED[kind], rows)
         if g.ledger:
             _many(self._db, ADD_LEDGER, call_rows(g.ledger))
         if g.keys:
@@ -989,14 +1008,14 @@ class _Groups:
     the calls of its current UTC date (``day``), counted in two integers rather than a
     ``Counter`` update a record, and added to the ledger's rows by ``count_calls``."""
 
-    __slots__ = ("answered", "billable", "billed", "calls", "day", "keys", "last", "ledger",
+    __slots__ = ("billable", "billed", "calls", "counted", "day", "keys", "last", "ledger",
                  "outcomes", "sent")
 
     def __init__(self, day: str) -> None:
         self.sent: list[str | None] = []  # the IDs of the intents
         self.outcomes: list[tuple[Any, ...]] = []
         self.billed: list[tuple[int, str | None]] = []
-        self.answered: list[tuple[str | None]] = []
+        self.counted: dict[str, list[tuple[str | None]]] = {kind: [] for kind in _COUNTED}
         self.ledger: Counter[tuple[str, str, str]] = Counter()
         self.keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         self.last: list[Record] = []  # halt, end

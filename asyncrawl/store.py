@@ -19,6 +19,9 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            (two first runs of a shared job cannot both take it for theirs)
 ``lookup(ids)``            the state (``ok`` | ``failed`` | ``perm`` | ``unavailable``) of those of
                            a chunk of IDs that have one (awaitable: a database answers off the loop)
+``unusable(ids)``          of a chunk of IDs, those with paid answers that could not be used (not
+                           parsed, cut short, too large): their count, status, error and tries
+                           (what ``paid_retries`` allows a later run)
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
                            (in order, with their state) and how many were duplicates
 ``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
@@ -59,7 +62,7 @@ from typing import Any, Protocol, overload
 
 from .config import is_url
 from .errors import ConfigError
-from .records import Counts, Record, Snapshot
+from .records import Bought, Counts, Record, Snapshot
 from .sqlstore import SqliteStore
 
 
@@ -74,6 +77,8 @@ class Store(Protocol):
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
 
     async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]: ...
+
+    async def unusable(self, ids: Sequence[str]) -> dict[str, Bought]: ...
 
     async def run_counts(self, *, whole: bool = False) -> Counts: ...
 

@@ -502,8 +502,9 @@ class Worker:
             self.parking.park(item, verdict.delay)
             return
         item.tries += 1
-        if attempt.outcome is Outcome.RETRY:
-            item.unusable += attempt.billable
+        if attempt.outcome is Outcome.RETRY and attempt.billable:  # (bought, not usable: as
+            item.unusable += 1  # many more as paid_retries, in this run and later ones)
+            self.sink.put(Record.unusable(item.id))
         if action is Action.PARK:
             self.parking.park(item, verdict.delay)
             return

@@ -179,9 +179,10 @@ def _rewrite(db_path: Path, script: str) -> None:
 
 
 def as_schema_4(db_path: Path) -> None:
-    """Make a state database of this release one of schema 4 (no ``answered`` count), as the
-    release before 5 left it."""
-    _rewrite(db_path, "ALTER TABLE items DROP COLUMN answered; PRAGMA user_version = 4;")
+    """Make a state database of this release one of schema 4 (no ``answered`` nor ``unusable``
+    count), as the release before 5 left it."""
+    _rewrite(db_path, "ALTER TABLE items DROP COLUMN answered; ALTER TABLE items DROP COLUMN "
+                      "unusable; PRAGMA user_version = 4;")
 
 
 def as_schema_3(db_path: Path) -> None:

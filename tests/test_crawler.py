@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import io
 import json
 import sqlite3
@@ -805,6 +806,29 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_in_all(state: P
     rec = json.loads(out.getvalue())
     assert rec["id"] == "junk" and rec["status"] == 200
     assert "not valid JSON" in rec["error"] and "paid_retries" in rec["error"]
+
+
+async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_across_runs(
+        state: Path) -> None:
+    """Each rerun bought it 1 + paid_retries times again (with pass 2 off, each run leaves it
+    failed; a run cut off before pass 2 too): paid_retries counted per run. A recheck of
+    unavailable IDs buys it once more."""
+    faults = {"junk": Fault("invalid_json", times=1000)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        def bought() -> int:
+            return sum(1 for e in api.log if e.event == "end" and e.status == 200
+                       and e.id == "junk")
+
+        cfg = fast_config(api, state, second_pass=False)
+        s = await Crawler(cfg).run(["a", "junk"])
+        assert (s.ok, s.failed, bought()) == (1, 1, 2)
+        s = await Crawler(cfg).run(["a", "junk", "b"])  # (failed: tried again, was bought)
+        assert (s.ok, s.unavailable, bought()) == (2, 1, 2)
+        assert "paid_retries" in exported(cfg, "unavailable")[0]["error"]
+        s = await Crawler(dataclasses.replace(cfg, recheck_unavailable=True)).run(["junk"])
+        assert (s.unavailable, s.failed, bought()) == (0, 1, 3)  # (one more, then failed)
+        s = await Crawler(cfg).run(["junk"])
+        assert (s.unavailable, bought()) == (1, 3)
 
 
 async def _formats_app() -> web.Application:

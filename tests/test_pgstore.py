@@ -1449,3 +1449,23 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_in_a_job(job: st
     cut = len(list(read_store(PG, job=job).in_doubt()))
     assert cut >= 1 and snap.in_doubt == cut and snap.sent >= 40
     assert snap.unsure_calls == cut
+
+
+async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_in_a_job(job: str) -> None:
+    """A shared job's pass 2 claims its IDs from the database, with no count of what pass 1
+    bought: an answer that never parses was bought 2 more times there (4 in a run, not 2),
+    and 2 more in each later run."""
+    from asyncrawl import Crawler
+
+    faults = {"junk": Fault("invalid_json", times=1000)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        def bought() -> int:
+            return sum(1 for e in api.log if e.event == "end" and e.status == 200
+                       and e.id == "junk")
+
+        cfg = fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0)
+        s = await Crawler(cfg).run(["a", "junk"])
+        assert (s.ok, s.unavailable, bought()) == (1, 1, 2)
+        s = await Crawler(fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0,
+                                      recheck_unavailable=True)).run(["junk"])
+        assert (s.unavailable, bought()) == (1, 3)  # (one more: the recheck asked)
