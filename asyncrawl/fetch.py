@@ -68,8 +68,12 @@ class Outcome(enum.Enum):
 
 
 class SessionClosed(ConfigError):
-    """The application closed the session it gave the Crawler while the run went on: the try
-    that met it sent nothing, and the run stops (then raises this)."""
+    """The application closed the session it gave the Crawler while the run went on: the run
+    stops, then raises this. ``sent``: a request of the try left (a redirect's) before it."""
+
+    def __init__(self, message: str, *, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +129,13 @@ class Attempt(NamedTuple):
     # nothing left the process: the attempt failed before its first request had its connection
     # (a refused connect, a name that does not resolve, a TLS handshake): its intent is taken back
     sent_nothing: bool = False
+
+    @property
+    def unusable(self) -> bool:
+        """A paid (2xx) answer that cannot be used: its body did not parse, did not come whole
+        or was too large. Bought again at most ``paid_retries`` times, in all runs; an answer
+        whose body or a hook says to try again is retried as its status would be."""
+        return self.billable and self.outcome is Outcome.RETRY and self.kind is not ErrorKind.HTTP
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]
@@ -428,6 +439,10 @@ class Fetcher:
                         if status not in REDIRECTS or "Location" not in answered:
                             return self._classify(item_id, status, answered, answer.body)
                 else:
+                    if self.session.closed:  # (by the application that gave it: aiohttp would
+                        raise SessionClosed(  # refuse with a RuntimeError, sending nothing)
+                            "the aiohttp session given to the Crawler was closed while the run "
+                            "went on", sent=hop > 0)
                     if self._marks:  # (each hop: a redirect's answer came; its target's not yet)
                         _CONNECTED.set(False)
                     async with self.session.request(
@@ -474,13 +489,6 @@ class Fetcher:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
                            kind=ErrorKind.NETWORK, unanswered=left,
                            sent_nothing=hop == 0 and not left)
-        except RuntimeError:
-            if hop or not self.session.closed:
-                raise
-            # the application closed the session it gave the Crawler: aiohttp refused before
-            # anything was sent
-            raise SessionClosed("the aiohttp session given to the Crawler was closed while "
-                                "the run went on") from None
 
     def _redirect(self, status: int, location: str, url: URL, headers: Mapping[str, str],
                   hop: int) -> Attempt | tuple[URL, Mapping[str, str]]:

@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from .errors import StorageError
 from .governor import Governor
-from .pgstore import BREAKER_HOLD, HEARTBEAT, PgStore
+from .pgstore import BREAKER_HOLD, HEARTBEAT, Claimed, PgStore
 from .source import IdsFile
 from .types import Halt
 from .worker import Stop
@@ -122,8 +122,8 @@ async def _blocks(chunks: AsyncIterator[list[str]],
 
 async def claimed(store: PgStore, pass_no: int, stop: Stop, merging: Callable[[], bool],
                   batch_size: int, heartbeat: Heartbeat | None = None
-                  ) -> AsyncIterator[list[tuple[str, str | None, int | None, str | None, int]]]:
-    """Batches of ``(id, state, status, error, tries)`` leased from the job for the pass,
+                  ) -> AsyncIterator[list[Claimed]]:
+    """Batches of ``(id, state, status, error, tries, unusable)`` leased from the job for the pass,
     until the pass has no work left anywhere. ``merging()``: this run still adds IDs.
     ``batch_size``: about what the run's queue holds, so that a run does not sit on IDs that
     other runs could be fetching. ``heartbeat``: told when the run waits for work (before it

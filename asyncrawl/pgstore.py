@@ -115,6 +115,9 @@ NOW = "extract(epoch from clock_timestamp())::float8"
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 BLOCK = 10_000  # IDs in a block of a merge: a row of asyncrawl_blocks, taken in at once
 TAKE_IN_FOR = 1.0  # seconds a claim may spend taking in blocks before it answers
+SCHEMA_LOCK_WAIT = 10.0  # seconds the tables' upgrade waits for the runs that use them
+# a claimed ID: (id, state, status, error, tries, its paid answers that could not be used)
+Claimed = tuple[str, str | None, int | None, str | None, int, int]
 
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS asyncrawl_jobs (
@@ -144,8 +147,16 @@ CREATE TABLE IF NOT EXISTS asyncrawl_items (
     lease_until double precision, sent_run bigint, sends integer NOT NULL DEFAULT 0,
     doubt integer, PRIMARY KEY (job, id)
 );
-ALTER TABLE asyncrawl_items ADD COLUMN IF NOT EXISTS answered integer NOT NULL DEFAULT 0,
-    ADD COLUMN IF NOT EXISTS unusable integer NOT NULL DEFAULT 0;
+DO $$ BEGIN  -- (an ID never cut off nor unanswered had an answer to each call but an open one)
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema =
+                   current_schema() AND table_name = 'asyncrawl_items'
+                   AND column_name = 'answered') THEN
+        ALTER TABLE asyncrawl_items ADD COLUMN answered integer NOT NULL DEFAULT 0,
+            ADD COLUMN unusable integer NOT NULL DEFAULT 0;
+        UPDATE asyncrawl_items SET answered = sends - paid - (sent_run IS NOT NULL)::int
+            WHERE doubt IS NULL AND sends > paid + (sent_run IS NOT NULL)::int;
+    END IF;
+END $$;
 CREATE INDEX IF NOT EXISTS asyncrawl_items_open ON asyncrawl_items (job, lease_until)
     WHERE state IS NULL OR state IN ('failed', 'perm');
 CREATE INDEX IF NOT EXISTS asyncrawl_items_state ON asyncrawl_items (job, state)
@@ -403,9 +414,18 @@ class PgStore:
         if self._schema_exists():
             return
         db = self._conns["control"]
-        with db.transaction():
-            db.execute("SELECT pg_advisory_xact_lock(hashtext('asyncrawl schema'))")
-            db.execute(SCHEMA)
+        try:
+            with db.transaction():
+                db.execute("SELECT pg_advisory_xact_lock(hashtext('asyncrawl schema'))")
+                # (an ALTER waits for every transaction on its table, and every statement on
+                # it then waits behind the ALTER: runs of an earlier release would stall)
+                db.execute(f"SET LOCAL lock_timeout = '{SCHEMA_LOCK_WAIT:g}s'")
+                db.execute(SCHEMA)
+        except _psycopg().errors.LockNotAvailable:
+            raise StorageError(
+                f"cannot upgrade the asyncrawl tables in {safe_url(self.url)}: they were busy "
+                f"for {SCHEMA_LOCK_WAIT:g} s (a run of an earlier asyncrawl release on a job "
+                "there?); rerun once it has ended") from None
 
     async def claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None:
         """The job's identity as recorded, and ``identity`` recorded if there was none, in one
@@ -604,15 +624,13 @@ class PgStore:
                            (merging, self._run))
         await asyncio.to_thread(go)
 
-    async def claim(self, pass_no: int, n: int
-                    ) -> list[tuple[str, str | None, int | None, str | None, int]]:
+    async def claim(self, pass_no: int, n: int) -> list[Claimed]:
         """Lease up to ``n`` IDs of the pass that nobody holds: ``(id, state, status, error,
-        tries)``. An ID whose ``sent`` intent was committed by a run that is gone is in doubt
+        tries, unusable)``. An ID whose ``sent`` intent was committed by a run that is gone is in doubt
         from now on (possibly billed)."""
         return await asyncio.to_thread(self._claim, pass_no, n)
 
-    def _claim(self, pass_no: int, n: int) -> list[tuple[str, str | None, int | None,
-                                                          str | None, int]]:
+    def _claim(self, pass_no: int, n: int) -> list[Claimed]:
         """Claim up to ``n``; in pass 1, while that is not ``n``, take in a block of the job
         and claim the rest, for up to ``TAKE_IN_FOR`` seconds (blocks of IDs the job has
         settled already, a rerun's edited file, may take long: ``taking_in`` says the claim
@@ -647,8 +665,7 @@ class PgStore:
                         "at a later claim", e.sqlstate)
             return None
 
-    def _claim_open(self, db: Any, pass_no: int, n: int
-                    ) -> list[tuple[str, str | None, int | None, str | None, int]]:
+    def _claim_open(self, db: Any, pass_no: int, n: int) -> list[Claimed]:
         """Lease up to ``n`` of the pass's item rows that nobody holds."""
         rows = db.execute(f"""
             UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
@@ -665,7 +682,7 @@ class PgStore:
                                 WHERE run = %(run)s AND ended IS NULL FOR SHARE)
                   LIMIT %(n)s FOR UPDATE SKIP LOCKED) AS c
             WHERE i.job = %(job)s AND i.id = c.id
-            RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0)""",
+            RETURNING i.id, i.state, i.status, i.error, coalesce(i.tries, 0), i.unusable""",
             {"run": self._run, "lease": self.lease, "job": self.job_name, "gen": self._gen,
              "n": n}).fetchall()
         return [tuple(r) for r in rows]
@@ -856,7 +873,7 @@ class PgStore:
                     (self.job_name, list(ids)))}
         return await asyncio.to_thread(go)
 
-    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None, int]], int]:
         """(Not used for a shared job: its runs ``merge`` and ``claim``.)"""
         raise NotImplementedError("a shared job's IDs are merged and claimed")
 
@@ -1091,9 +1108,10 @@ class PgStore:
                     "WHERE job = %s GROUP BY 1, 2 ORDER BY 1, 2", (self.job_name,)))
             doubt: dict[int, int] = {}  # IDs by doubt
             unsure = 0  # (their calls with no answer known)
-            # (a job of an earlier release, not run since: any call not billed)
-            lost = "greatest(sends - paid - answered, 0)" if self._has_answered(db) else \
-                "greatest(sends - paid, 0)"
+            # (a job of an earlier release, not run since: any call not billed; one an open ID)
+            has = self._has_answered(db)
+            lost = "greatest(sends - paid - answered, 0)" if has else "greatest(sends - paid, 0)"
+            calls_open = f"sum(least({lost}, 1))" if has else "count(*)"
             for value, n, calls in db.execute(
                     f"SELECT doubt, count(*), sum({lost}) FROM asyncrawl_items "
                     "WHERE job = %s AND doubt IS NOT NULL GROUP BY doubt", (self.job_name,)):
@@ -1103,7 +1121,7 @@ class PgStore:
             # tried again
             open_sent, open_unanswered, open_lost = db.execute(
                 "SELECT count(*), count(*) FILTER (WHERE doubt = 2), "
-                f"coalesce(sum({lost}) FILTER (WHERE doubt IS NULL), 0) FROM asyncrawl_items "
+                f"coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0) FROM asyncrawl_items "
                 f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}",
                 (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",

@@ -437,17 +437,17 @@ class Run:
             async for batch in claimed(job.store, pass_no, self.stop, job.merging, size,
                                        job.heartbeat):
                 todo, earlier = [], []
-                for item, state, status, error, tries in batch:
+                for item, state, status, error, tries, bought in batch:
                     if pass_no == 2 and state == "perm" and not cfg.recheck_permanent:
                         writer.put(_unavailable(item, tries, status, error, permanent=True))
                         continue
-                    if state is not None:  # failed in an earlier generation, or in pass 1
-                        earlier.append(item)
+                    if state is not None or bought:  # failed in an earlier generation, or
+                        earlier.append((item, state, bought))  # in pass 1; or cut off
                     todo.append(item)
                 if earlier:
-                    bought = await self._with_history(earlier, store=job.store, writer=writer,
-                                                      suspect=pass_no == 1)
-                    todo = [item for item in todo if item not in bought]
+                    done = await self._with_history(earlier, store=job.store, writer=writer,
+                                                    first=pass_no == 1)
+                    todo = [item for item in todo if item not in done]
                 if todo:
                     await job.heartbeat.at_work()  # (re-joins first if it was idle)
                     yield todo, -1, None
@@ -463,38 +463,38 @@ class Run:
         tally.duplicates += duplicates
         done = settled(self.config.recheck_unavailable)
         todo, earlier = [], []
-        for item, was in fresh:
+        for item, was, bought in fresh:
             if was in done:
                 tally.skipped += 1
                 continue
-            if was is not None:  # failed in an earlier run
-                earlier.append(item)
+            if was is not None or bought:  # failed in an earlier run, or cut off
+                earlier.append((item, was, bought))
             todo.append(item)
         if earlier:
-            bought = await self._with_history(earlier, store=store, writer=writer, suspect=True)
-            todo = [item for item in todo if item not in bought]
+            now = await self._with_history(earlier, store=store, writer=writer, first=True)
+            todo = [item for item in todo if item not in now]
         return todo, len(fresh)
 
-    async def _with_history(self, items: list[str], *, store: Store, writer: AnyWriter,
-                            suspect: bool) -> set[str]:
-        """``items``, failed before (in an earlier run, or a shared job's pass 1), go into
-        the pass with their history: ``suspect`` (pass 1: their failures say nothing of an outage)
-        and the paid answers of theirs that could not be used, which ``paid_retries`` counts
-        across runs. Those already bought 1 + ``paid_retries`` times are settled unavailable
-        without a call, as pass 2 settles them (unless a recheck of unavailable IDs asks
-        for one more try in pass 1); they are returned."""
-        cap, recheck = self.config.paid_retries, suspect and self.config.recheck_unavailable
-        bought = await store.unusable(items)
-        done = set()
-        for item in items:
-            b = bought.get(item)
-            if b is not None and b.unusable > cap and not recheck:
+    async def _with_history(self, items: list[tuple[str, str | None, int]], *, store: Store,
+                            writer: AnyWriter, first: bool) -> set[str]:
+        """``items`` (id, state, its unusable paid answers), failed before (in an earlier run,
+        or a shared job's pass 1) or cut off with paid answers that could not be used, go
+        into the pass with their history: suspect in pass 1 (``first``) if they failed (their
+        failures say nothing of an outage), and their unusable paid answers, which
+        ``paid_retries`` counts across runs. Those already bought 1 + ``paid_retries`` times
+        are settled unavailable without a call, as pass 2 settles them (unless a recheck of
+        unavailable IDs asks for one more try in pass 1); they are returned."""
+        cap, recheck = self.config.paid_retries, first and self.config.recheck_unavailable
+        over = [item for item, _, bought in items if bought > cap and not recheck]
+        details = await store.unusable(over) if over else {}
+        for item, state, bought in items:
+            b = details.get(item)
+            if b is not None:
                 writer.put(_unavailable(item, b.tries, b.status, b.error, permanent=False))
-                done.add(item)
-            elif suspect or b is not None:
-                self.history[item] = Item(item, suspect=suspect,
-                                          unusable=b.unusable if b is not None else 0)
-        return done
+            else:
+                self.history[item] = Item(item, suspect=first and state is not None,
+                                          unusable=bought)
+        return set(details)
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
                                writer: AnyWriter) -> AsyncIterator[Chunk]:

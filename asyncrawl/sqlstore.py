@@ -129,7 +129,9 @@ DROP VIEW results;
 """ + RESULTS_VIEW, 4: """
 ALTER TABLE items ADD COLUMN answered INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE items ADD COLUMN unusable INTEGER NOT NULL DEFAULT 0;
-"""}
+UPDATE items SET answered = sends - paid - (sent_run IS NOT NULL)
+    WHERE doubt IS NULL AND sends > paid + (sent_run IS NOT NULL);
+"""}  # (5: an ID never cut off nor unanswered had an answer to each call but an open one)
 CHUNK = 900  # IDs per block read (``unsettled``)
 # the records that count something of an ID, and the statement that counts one
 _COUNTED = {kind: f"UPDATE items SET {kind} = {kind} + 1 WHERE id = ?"
@@ -461,21 +463,22 @@ class SqliteStore:
                 "unusable > 0 AND id IN (SELECT value FROM json_each(?))",
                 (orjson.dumps(ids).decode(),))}
 
-    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None, int]], int]:
         """Of a chunk of this run's IDs, those it has not seen before, in order, with their
-        state; and how many were duplicates."""
+        state and their paid answers that could not be used; and how many were duplicates."""
         return await _off_loop(self._admit, list(ids))
 
-    def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None]], int]:
+    def _admit(self, ids: list[str]) -> tuple[list[tuple[str, str | None, int]], int]:
         db = self._reader
         assert db is not None, "admit() needs a store opened for a run"
         chunk = orjson.dumps(ids).decode()
         with self._reading():  # (the new ones and their states as one JSON object: one step
             #                     of SQLite, not one a row, each giving the GIL back and
             #                     taking it again)
-            new: dict[str, str | None] = orjson.loads(db.execute(
-                "SELECT json_group_object(j.value, i.state) FROM json_each(?) j "
-                "LEFT JOIN items i ON i.id = j.value AND i.state IS NOT NULL "
+            new: dict[str, str | list[Any] | None] = orjson.loads(db.execute(
+                "SELECT json_group_object(j.value, CASE WHEN i.unusable > 0 THEN "
+                "json_array(i.state, i.unusable) ELSE i.state END) FROM json_each(?) j "
+                "LEFT JOIN items i ON i.id = j.value AND (i.state IS NOT NULL OR i.unusable > 0) "
                 "WHERE j.value NOT IN (SELECT id FROM seen)", (chunk,)).fetchone()[0])
             db.execute("INSERT INTO seen (id) SELECT value FROM json_each(?) WHERE true "
                        "ON CONFLICT DO NOTHING", (chunk,))
@@ -486,7 +489,7 @@ class SqliteStore:
                 fresh.append(item)
             else:
                 dups += 1
-        return [(item, new[item]) for item in fresh], dups
+        return [(item, *_state_and_bought(new[item])) for item in fresh], dups
 
     async def run_counts(self, *, whole: bool = False) -> Counts:
         """This run's IDs (every one ``admit`` took) by their state now; ``whole``: every ID
@@ -775,7 +778,7 @@ class SqliteStore:
                 doubt[value], unsure = n, unsure + (calls or 0)
             # the calls of the open intents not in doubt: in flight, or answered and to be
             # tried again (schema 4 and before: one each)
-            calls_open = f"coalesce(sum({lost}) FILTER (WHERE doubt IS NULL), 0)" \
+            calls_open = f"coalesce(sum(min({lost}, 1)) FILTER (WHERE doubt IS NULL), 0)" \
                 if self._version >= 5 else "count(*) FILTER (WHERE doubt IS NULL)"
             open_sent, open_unanswered, open_lost = db.execute(
                 f"SELECT count(*), count(*) FILTER (WHERE doubt = 2), {calls_open} FROM items "
@@ -1157,6 +1160,14 @@ def _states(db: sqlite3.Connection, ids: list[str]) -> dict[str, str]:
         "SELECT json_group_object(id, state) FROM items WHERE state IS NOT NULL "
         "AND id IN (SELECT value FROM json_each(?))", (orjson.dumps(ids).decode(),)).fetchone()[0])
     return found
+
+
+def _state_and_bought(was: str | list[Any] | None) -> tuple[str | None, int]:
+    """An ID's state and unusable paid answers, as ``_admit``'s query gives them (the state
+    alone where it has none)."""
+    if isinstance(was, list):
+        return was[0], was[1]
+    return was, 0
 
 
 def _same_file(a: Any, b: dict[str, Any]) -> bool:

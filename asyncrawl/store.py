@@ -23,7 +23,8 @@ and one transaction per group commit; nothing in the interface loads every ID in
                            parsed, cut short, too large): their count, status, error and tries
                            (what ``paid_retries`` allows a later run)
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
-                           (in order, with their state) and how many were duplicates
+                           (in order, with their state and their count of unusable paid
+                           answers) and how many were duplicates
 ``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
 ``resume_point(source)``   where a run of an unchanged IDs file may read on (``None``: from the
                            start), ``unsettled()`` the IDs held unsettled before that point,
@@ -76,7 +77,7 @@ class Store(Protocol):
 
     async def lookup(self, ids: Sequence[str]) -> dict[str, str]: ...
 
-    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]: ...
+    async def admit(self, ids: Sequence[str]) -> tuple[list[tuple[str, str | None, int]], int]: ...
 
     async def unusable(self, ids: Sequence[str]) -> dict[str, Bought]: ...
 

@@ -91,8 +91,8 @@ def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
         return _AT_GATE
     final = "unavailable" if pass_no > 1 else "failed"
     tries = item.tries + 1
-    bought = item.unusable + attempt.billable
-    if attempt.billable and bought > config.paid_retries:
+    bought = item.unusable + attempt.unusable
+    if attempt.unusable and bought > config.paid_retries:
         # a paid answer that does not parse is bought again at most paid_retries times
         return Verdict(Action.SETTLE, final, error=f"{attempt.error}; bought {bought} times, "
                        "not again ([retry] paid_retries)")
@@ -373,11 +373,12 @@ class Worker:
             earlier = item.sent
             try:
                 attempt = await self._send(item, lane, first, request)
-            except SessionClosed:  # (the run stops, then raises it; the ID stays held)
-                self.flying.discard(item.id)
-                self._sent_nothing(item, sent, earlier)
-                budget.release(False)
-                gov.unused(ticket)
+            except SessionClosed as e:  # (the run stops, then raises it; the ID stays held)
+                if not e.sent:  # (else its request is in doubt: cut off)
+                    self.flying.discard(item.id)
+                    self._sent_nothing(item, sent, earlier)
+                    budget.release(False)
+                    gov.unused(ticket)
                 raise
             del held[id(item)]  # no await from here on: it is parked or settled below
             if attempt.sent_nothing:  # (failed before it had its connection: not a request)
@@ -392,7 +393,7 @@ class Worker:
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
             # one (the server answered, and billed it), but one cut short or stalled on its way
-            down = retry and not limited and (not attempt.billable or attempt.kind in _ON_THE_WAY)
+            down = retry and not limited and (not attempt.unusable or attempt.kind in _ON_THE_WAY)
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, self.config.retry_after_max)
@@ -502,8 +503,8 @@ class Worker:
             self.parking.park(item, verdict.delay)
             return
         item.tries += 1
-        if attempt.outcome is Outcome.RETRY and attempt.billable:  # (bought, not usable: as
-            item.unusable += 1  # many more as paid_retries, in this run and later ones)
+        if attempt.unusable:  # (bought, not usable: as many more as paid_retries, in all runs)
+            item.unusable += 1
             self.sink.put(Record.unusable(item.id))
         if action is Action.PARK:
             self.parking.park(item, verdict.delay)

@@ -831,6 +831,42 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_across_runs(
         assert (s.unavailable, bought()) == (1, 3)
 
 
+async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run(
+        state: Path) -> None:
+    """The count was looked up only for IDs with an outcome: one stopped while it waited for
+    its retry (no outcome yet) started the next run at 0 and was bought 1 + 2 times."""
+    faults = {"junk": Fault("invalid_json", times=1000)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        def bought() -> int:
+            return sum(1 for e in api.log if e.event == "end" and e.status == 200
+                       and e.id == "junk")
+
+        crawler = Crawler(fast_config(api, state, backoff_base=60.0, backoff_max=60.0,
+                                      jitter="none"))
+        run = asyncio.create_task(crawler.run(["junk"]))
+        deadline = asyncio.get_running_loop().time() + 30
+        while bought() < 1:
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        crawler.stop()
+        await run
+        assert db_rows(state, "SELECT state, paid, unusable FROM items") == [(None, 1, 1)]
+        s = await Crawler(fast_config(api, state)).run(["junk"])
+        assert (s.unavailable, bought()) == (1, 2)
+
+
+async def test_a_retryable_code_in_a_2xx_body_is_retried_as_its_status_is(state: Path) -> None:
+    """It counted as a paid answer that cannot be used: bought twice (paid_retries), not
+    max_tries times, and, once that was kept across runs, never tried by the next run."""
+    faults = {"busy": Fault("error_in_body", status=503)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, error_field="code", max_tries=4, second_pass=False)
+        s = await Crawler(cfg).run(["busy"])
+        assert (s.failed, len(api.starts())) == (1, 4)
+        s = await Crawler(cfg).run(["busy"])
+        assert (s.failed, len(api.starts())) == (1, 8)  # (a rerun retries it: exit 6)
+
+
 async def _formats_app() -> web.Application:
     async def csv_(request: web.Request) -> web.Response:
         return web.Response(text=f"id,n\n{request.match_info['id']},1\n", content_type="text/csv")

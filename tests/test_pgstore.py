@@ -1469,3 +1469,65 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_in_a_job(job: s
         s = await Crawler(fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0,
                                       recheck_unavailable=True)).run(["junk"])
         assert (s.unavailable, bought()) == (1, 3)  # (one more: the recheck asked)
+
+
+async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run_of_a_job(
+        job: str) -> None:
+    """As on a local state (test_crawler): the claim gives an ID with no outcome its count."""
+    from asyncrawl import Crawler
+
+    faults = {"junk": Fault("invalid_json", times=1000)}
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        def bought() -> int:
+            return sum(1 for e in api.log if e.event == "end" and e.status == 200
+                       and e.id == "junk")
+
+        crawler = Crawler(fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0,
+                                      backoff_base=60.0, backoff_max=60.0, jitter="none"))
+        run = asyncio.create_task(crawler.run(["junk"]))
+        deadline = asyncio.get_running_loop().time() + 30
+        while bought() < 1:
+            assert asyncio.get_running_loop().time() < deadline and not run.done()
+            await asyncio.sleep(0.01)
+        crawler.stop()
+        await run
+        assert pg_rows("SELECT state, unusable FROM asyncrawl_items WHERE job = %s",
+                       job) == [(None, 1)]
+        s = await Crawler(fast_config(api, Path("unused"), state_url=PG, job=job,
+                                      lease=2.0)).run(["junk"])
+        assert (s.unavailable, bought()) == (1, 2)
+
+
+def test_a_job_of_the_release_before_gets_the_calls_answered_counted() -> None:
+    """The tables of a release before ``answered`` and ``unusable``: the next run adds the
+    columns, and an ID never cut off nor unanswered had an answer to each of its calls but
+    an open one (its error answers are known again: not possibly billed)."""
+    import psycopg
+
+    from asyncrawl.pgstore import PgStore
+
+    schema = f"fresh_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG, autocommit=True) as db:
+        db.execute(f"CREATE SCHEMA {schema}")
+    url = f"{PG}{'&' if '?' in PG else '?'}options=-csearch_path%3D{schema}"
+
+    async def opened() -> None:
+        await (await PgStore.open(url, "old")).close()
+
+    try:
+        asyncio.run(opened())
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"ALTER TABLE {schema}.asyncrawl_items DROP COLUMN answered, "
+                       "DROP COLUMN unusable")
+            db.execute(f"INSERT INTO {schema}.asyncrawl_items (job, id, state, sends, paid, "
+                       "doubt, sent_run) VALUES ('old', 'ok-after-a-500', 'ok', 2, 1, NULL, "
+                       "NULL), ('old', 'cut', NULL, 3, 0, 0, NULL), "
+                       "('old', 'open', NULL, 2, 0, NULL, 7)")
+        asyncio.run(opened())
+        with psycopg.connect(PG) as db:
+            rows = db.execute(f"SELECT id, answered, unusable FROM {schema}.asyncrawl_items "
+                              "ORDER BY id").fetchall()
+        assert rows == [("cut", 0, 0), ("ok-after-a-500", 1, 0), ("open", 1, 0)]
+    finally:
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"DROP SCHEMA {schema} CASCADE")

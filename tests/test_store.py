@@ -536,16 +536,17 @@ async def test_a_run_dedups_its_ids_in_the_database_and_counts_them(tmp_path: Pa
     store = await open_store(state)
     try:
         fresh, dups = await store.admit(["a", "b", "n1", "a", "n2", "n1"])
-        assert fresh == [("a", "ok"), ("b", "perm"), ("n1", None), ("n2", None)] and dups == 2
+        assert fresh == [("a", "ok", 0), ("b", "perm", 0), ("n1", None, 0), ("n2", None, 0)]
+        assert dups == 2
         fresh, dups = await store.admit(["n2", "n3"])
-        assert fresh == [("n3", None)] and dups == 1
+        assert fresh == [("n3", None, 0)] and dups == 1
         assert await store.run_counts() == Counts(ok=1, failed=1, unavailable=0, pending=3)
     finally:
         await store.close()
     store = await open_store(state)  # a new run sees every ID afresh
     try:
         fresh, dups = await store.admit(["n1", "a"])
-        assert [i for i, _ in fresh] == ["n1", "a"] and dups == 0
+        assert [i for i, _, _ in fresh] == ["n1", "a"] and dups == 0
     finally:
         await store.close()
 
@@ -1067,8 +1068,12 @@ async def test_error_answers_of_an_id_in_doubt_are_not_calls_with_no_answer(
     snap = read_store(state).snapshot()
     assert (snap.sent, snap.in_doubt, snap.unsure_calls) == (3, 1, 1)
     assert db_rows(state, "SELECT sends, paid, answered FROM items") == [(3, 0, 2)]
+    await committed(state, [RECORDS[0], Record.sent("y"), Record.answered("y"),
+                            Record.sent("y"), Record("ok", "y", status=200, data={}, paid=1)])
     as_schema_4(state / DB)
-    assert read_store(state).snapshot().unsure_calls == 3
+    assert read_store(state).snapshot().unsure_calls == 3  # (x's: y is not in doubt)
     await committed(state)  # (a run's open upgrades it)
     assert db_rows(state, "PRAGMA user_version") == [(5,)]
-    assert db_rows(state, "SELECT sends, answered FROM items") == [(3, 0)]
+    # (an ID not in doubt had an answer to each call: y's error answer is known again)
+    assert db_rows(state, "SELECT id, sends, answered FROM items ORDER BY id") == [
+        ("x", 3, 0), ("y", 2, 1)]
