@@ -479,6 +479,28 @@ def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: 
                     extra={"event": "halt", "fields": summary.halt.as_dict()})
 
 
+FILES_RESERVE = 64  # open files a run needs beside its connections: state, log, pipes, the loop
+
+
+def enough_files(connections: int) -> None:
+    """Raise this process's soft limit on open files (``ulimit -n``, often 1,024) to what
+    ``connections`` and the rest of a run need, up to the hard limit; a ``ConfigError`` (exit
+    2) if even that is too low. (Tries the limit refuses send nothing and wait for connections
+    to close: the run would go at a fraction of the concurrency asked for.)"""
+    import resource
+
+    need = connections + FILES_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        return
+    raise ConfigError(f"{connections:,} connections at once need about {need:,} open files, and "
+                      f"this process may open {hard:,} at most (`ulimit -Hn`): lower the "
+                      "concurrency, or raise the limit", key="limits.concurrency")
+
+
 SPOOL = "asyncrawl-ids-"  # IDs read once (stdin, a pipe) are copied to a file of that name
 SPOOL_LINE = 1 << 20  # bytes of one line past which the copy stops (the check says what is wrong)
 STALE_SPOOL = 60.0  # seconds: a copy at least this old that nobody holds was a killed run's
@@ -568,6 +590,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if not ids_path:
                     raise ConfigError("--dry-run needs the IDs to price: pass --ids PATH")
                 return _dry_run(config, ids_path)
+            enough_files(config.concurrency)
             tune_gc()
             if args.metrics is not None:
                 from .metrics import Metrics, parse_address
@@ -761,6 +784,7 @@ def _demo(args: argparse.Namespace, state: str, ids_file: Path, again: bool) -> 
         return summary
 
     t0 = time.monotonic()
+    enough_files(2 * args.concurrency)  # (the mock API's side of each connection too)
     tune_gc()
     try:
         summary = run_loop(main())

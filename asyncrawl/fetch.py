@@ -485,6 +485,9 @@ class Fetcher:
             return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
                            sent_nothing=hop == 0)
         except (aiohttp.ClientError, OSError) as e:  # (OSError: a socket error not wrapped)
+            if getattr(e, "errno", None) in _OUT_OF_FILES:  # (no socket: nothing was sent)
+                return Attempt(Outcome.RETRY, None, error=_out_of_files(e),
+                               kind=ErrorKind.LOCAL, sent_nothing=hop == 0)
             left = self._may_have_left(e)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
                            kind=ErrorKind.NETWORK, unanswered=left,
@@ -837,10 +840,20 @@ REFUSING = {
 }
 
 
+_OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def _out_of_files(err: BaseException) -> str:
+    return (f"too many open files on this machine ({_describe(err)}): the try waits for "
+            "connections to close (raise `ulimit -n`, or lower [limits] concurrency)")
+
+
 def _connect_error(e: aiohttp.ClientConnectorError | http1.ConnectError) -> tuple[ErrorKind, str]:
     """A connect failure's kind, in words an operator acts on: ``connection refused to
     host:port``, ``name host does not resolve``; else the exception as usual."""
     err = e.os_error
+    if getattr(err, "errno", None) in _OUT_OF_FILES:
+        return ErrorKind.LOCAL, _out_of_files(err)
     if isinstance(e, aiohttp.ClientProxyConnectionError):
         return ErrorKind.PROXY, f"cannot connect to the proxy {e.host}:{e.port} ({_describe(err)})"
     if isinstance(err, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":

@@ -28,6 +28,7 @@ class ErrorKind(enum.Enum):
     BODY = "body"  # a 2xx answer whose body does not parse
     TOO_LARGE = "too_large"  # a body over max_body_bytes
     REDIRECT = "redirect"  # a redirect not followed, too many, or to an invalid Location
+    LOCAL = "local"  # this machine's limit, not the API's: too many open files (nothing sent)
 
 
 @dataclass(frozen=True, slots=True)

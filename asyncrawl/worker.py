@@ -73,6 +73,8 @@ _HALT = Verdict(Action.HALT)
 _SKIPPED = Verdict(Action.SETTLE, "failed", permanent=True)  # in pass 1
 _SKIPPED_AGAIN = Verdict(Action.SETTLE, "unavailable", permanent=True)  # in pass 2
 _AT_GATE = Verdict(Action.PARK, charged=False)
+LOCAL_WAIT = 0.2  # seconds a try that this machine could not make (no file left) waits
+_LOCAL = Verdict(Action.PARK, delay=LOCAL_WAIT, charged=False)
 
 
 def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
@@ -89,6 +91,8 @@ def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
         return _SKIPPED_AGAIN if pass_no > 1 else _SKIPPED
     if outage:  # not this ID's fault: no try charged; it waits at the gate
         return _AT_GATE
+    if attempt.kind is ErrorKind.LOCAL:  # nor the API's: this machine's (no file left)
+        return _LOCAL
     final = "unavailable" if pass_no > 1 else "failed"
     tries = item.tries + 1
     bought = item.unusable + attempt.unusable
@@ -393,7 +397,8 @@ class Worker:
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
             # one (the server answered, and billed it), but one cut short or stalled on its way
-            down = retry and not limited and (not attempt.unusable or attempt.kind in _ON_THE_WAY)
+            down = retry and not limited and attempt.kind is not ErrorKind.LOCAL and (
+                not attempt.unusable or attempt.kind in _ON_THE_WAY)
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, self.config.retry_after_max)
