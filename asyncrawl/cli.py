@@ -468,9 +468,16 @@ def _progress_fields(p: Progress) -> dict[str, Any]:
 def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: bool,
                 errors: list[tuple[str, int]]) -> None:
     """The final summary on stdout; in the log (``to_log``: a file or JSON) a ``summary`` event;
-    and the halt reason as the log's last line, after every aggregated error line."""
-    print(summary_text(summary, total=total, price=config.price_per_call,
-                       currency=config.currency, errors=errors), flush=True)
+    and the halt reason as the log's last line, after every aggregated error line. Stdout that
+    cannot be written (a reader gone, a full disk) is said in the log; the rest goes on, and the
+    run's exit code stays its own."""
+    try:
+        print(summary_text(summary, total=total, price=config.price_per_call,
+                           currency=config.currency, errors=errors), flush=True)
+    except OSError as e:
+        _stdout_gone()
+        log.warning("cannot print the summary on standard output (%s); `asyncrawl status` "
+                    "shows it", e.strerror or e)
     if to_log:
         log.info("finished: exit %s", summary.exit_code,
                  extra={"event": "summary", "fields": summary_fields(summary, total=total)})
@@ -796,9 +803,37 @@ def _demo(args: argparse.Namespace, state: str, ids_file: Path, again: bool) -> 
 
 
 COMMANDS = {"run": cmd_run, "status": cmd_status, "export": cmd_export, "demo": cmd_demo}
+OUTPUT_COMMANDS = ("status", "export")  # (those whose work is what they print)
+
+
+def _standard_fds() -> None:
+    """Open /dev/null onto a closed stdin, stdout or stderr (``2>&-``): else the first file or
+    socket the run opens gets that number, and what is printed goes into it (a run with stderr
+    closed waited for ever for its writing process, which held its own socket as stderr)."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w",  # noqa: SIM115
+                                        closefd=False))  # (the process's, for its lifetime)
+
+
+def _stdout_gone() -> None:
+    """Stdout failed (a reader gone, a full disk): what is left in its buffer, and anything
+    printed later, goes to /dev/null (else its flush at exit fails once more: exit 120)."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
 
 
 def main(argv: list[str] | None = None) -> int:
+    _standard_fds()
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -807,11 +842,15 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:  # before the loop's own handler was installed
         return 130
-    except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            sys.stdout.close()
+    except BrokenPipeError:  # (status, export: the reader has what it wanted, as `head` does)
+        _stdout_gone()
         return 0
-    except Exception:
+    except Exception as e:
+        if isinstance(e, OSError) and e.filename is None and args.command in OUTPUT_COMMANDS:
+            _stdout_gone()  # (a full disk, say)
+            print(f"asyncrawl: error: cannot write to standard output: {e.strerror or e}",
+                  file=sys.stderr)
+            return 5
         traceback.print_exc()
         print("asyncrawl: internal error (a bug, please report it with the traceback above); "
               "what was recorded is safe: rerun to resume", file=sys.stderr)

@@ -1396,3 +1396,55 @@ print(s.ok, s.failed, s.unavailable, s.exit_code)
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["600", "0", "0", "0"], r.stdout + r.stderr
+
+
+# -- standard output and error that cannot be written ---------------------------------------------
+
+
+def _shell(command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``command`` in bash (``$PY``: this Python), its exit status the pipeline's first."""
+    return subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, **ENV, "PY": sys.executable})
+
+
+def test_a_halted_run_keeps_its_exit_code_when_its_summary_cannot_be_printed(
+        tmp_path: Path, mock_process: Any) -> None:
+    """A 402 halt is exit 3: it was exit 0 into a pipe whose reader had gone (`| true`), and
+    exit 1 with a traceback into a full disk, without the halt's log line."""
+    mock = mock_process("--faults", "none", "--api-key", KEY, "--balance", "30")
+    ids = write_ids(tmp_path / "ids.txt", [f"h{i}" for i in range(200)])
+    for n, sink in enumerate(("| (exec 0<&-; sleep 0.1)", "> /dev/full")):
+        cfg = write_config(tmp_path / f"c{n}.toml", mock.item_url, tmp_path / f"state{n}", ids,
+                           limits={"concurrency": 1, "rate": 2000})
+        r = _shell(f'"$PY" -m asyncrawl run -c {cfg} --no-progress {sink}')
+        assert r.returncode == 3, (sink, r.stderr)
+        assert "stopped: fatal" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_run_with_stdout_and_stderr_closed_finishes(tmp_path: Path,
+                                                      mock_process: Any) -> None:
+    """With stderr closed (`2>&-`) it waited for ever for its writing process, which held its
+    own socket as its stderr; with both closed, uvloop aborted at the end (exit 134)."""
+    mock = mock_process("--faults", "none", "--api-key", KEY)
+    ids = write_ids(tmp_path / "ids.txt", [f"c{i}" for i in range(100)])
+    for n, closed in enumerate(("2>&-", ">&- 2>&-")):
+        state = tmp_path / f"state{n}"
+        cfg = write_config(tmp_path / f"c{n}.toml", mock.item_url, state, ids)
+        r = _shell(f'"$PY" -m asyncrawl run -c {cfg} {closed}')
+        assert r.returncode == 0, (closed, r.stdout)
+        assert lock_holder(state) is None  # (its writing process ended too)
+        assert collections.Counter(outcomes_of(state).values()) == {"ok": 100}
+
+
+def test_status_into_a_full_disk_is_an_error_not_a_bug(tmp_path: Path,
+                                                       mock_process: Any) -> None:
+    mock = mock_process("--faults", "none", "--api-key", KEY)
+    ids = write_ids(tmp_path / "ids.txt", ["a", "b"])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids)
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    for command in ("status", "export"):
+        r = _shell(f'"$PY" -m asyncrawl {command} -c {cfg} > /dev/full')
+        assert r.returncode == 5, (command, r.stderr)
+        assert "cannot write to standard output: No space left on device" in r.stderr
+        assert "Traceback" not in r.stderr
