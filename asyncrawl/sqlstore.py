@@ -257,6 +257,7 @@ class SqliteStore:
         self.location = str(state_dir)
         self.path = state_dir / DB
         self._db = db  # the writer's connection (a run), or the reader's
+        self._inode = _inode_of(self.path)  # (the file a writer must still be writing into)
         self._lock_fd = lock_fd
         self._reader: sqlite3.Connection | None = None  # a run's lookups and dedup
         self._run: int | None = None
@@ -557,6 +558,12 @@ class SqliteStore:
         if self._dead:
             raise StorageError("the state database failed earlier; nothing more is written",
                                path=self.path)
+        if _inode_of(self.path) != self._inode:  # (a stat a batch: ~2 µs)
+            self._dead = True
+            raise StorageError(
+                "the state database was deleted or replaced while the run went on (its state "
+                "directory removed?): what the run recorded went with it, and nothing more is "
+                "written", path=self.path)
         db = self._db
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -1189,6 +1196,13 @@ def serve_writes(state_dir: Path, rfd: int, wfd: int) -> int:
         return serve(SqliteStore(state_dir, db).apply_batch, rfd, wfd, state_dir)
     finally:
         db.close()
+
+
+def _inode_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _connect(path: Path) -> sqlite3.Connection:

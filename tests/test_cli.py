@@ -1448,3 +1448,28 @@ def test_status_into_a_full_disk_is_an_error_not_a_bug(tmp_path: Path,
         assert r.returncode == 5, (command, r.stderr)
         assert "cannot write to standard output: No space left on device" in r.stderr
         assert "Traceback" not in r.stderr
+
+
+def test_a_state_directory_removed_mid_run_stops_it_with_exit_5(tmp_path: Path,
+                                                                 mock_process: Any) -> None:
+    """`rm -rf` of the state directory during a run: the run went on writing into the
+    deleted files, paid for every ID, and said "done"; its rerun paid for all of them again."""
+    import shutil
+
+    mock = mock_process("--faults", "none", "--api-key", KEY, "--latency", "0.02")
+    ids = write_ids(tmp_path / "ids.txt", [f"r{i}" for i in range(3000)])
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, ids,
+                       limits={"concurrency": 8, "rate": 2000})
+    proc = popen_cli(tmp_path, "removed", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: ok_count(state) >= 100, proc)
+        shutil.rmtree(state)
+        assert proc.wait(60) == 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "removed.err").read_text()
+    assert "was deleted or replaced while the run went on" in err, err
+    assert len(read_log(mock.log_path)) // 2 < 2000  # (it stopped: not every ID bought)
