@@ -142,14 +142,16 @@ def is_stream(path: str) -> bool:
 
 def file_identity(path: str) -> dict[str, Any]:
     """What tells one IDs file from another, or from itself after a change: its real path,
-    size, modification time and inode. A resumed job may skip the part of the file its state
-    has covered only while this is unchanged."""
+    size, modification and change times, and inode. A resumed job may skip the part of the file
+    its state has covered only while this is unchanged. (The change time, which no one can set:
+    a file rewritten in place at the same size, its modification time set back with `touch -r`,
+    was taken for unchanged, and its new IDs skipped.)"""
     try:
         st = os.stat(path)
     except OSError as e:  # gone or changed since it was checked
         raise InputError(f"cannot read IDs file: {e.strerror}", path=path) from None
     return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ino": st.st_ino, "dev": st.st_dev}
+            "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
 
 
 class IdsFile:

@@ -1178,7 +1178,7 @@ def _state_and_bought(was: str | list[Any] | None) -> tuple[str | None, int]:
 
 
 def _same_file(a: Any, b: dict[str, Any]) -> bool:
-    keys = ("path", "size", "mtime_ns", "ino", "dev")
+    keys = ("path", "size", "mtime_ns", "ctime_ns", "ino", "dev")
     return isinstance(a, dict) and all(a.get(k) == b.get(k) for k in keys)
 
 

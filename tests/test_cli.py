@@ -1473,3 +1473,21 @@ def test_a_state_directory_removed_mid_run_stops_it_with_exit_5(tmp_path: Path,
     err = (tmp_path / "removed.err").read_text()
     assert "was deleted or replaced while the run went on" in err, err
     assert len(read_log(mock.log_path)) // 2 < 2000  # (it stopped: not every ID bought)
+
+
+def test_an_ids_file_rewritten_in_place_with_its_time_set_back_is_read_again(
+        tmp_path: Path, mock_process: Any) -> None:
+    """The same size and modification time (`touch -r`): taken for unchanged, read on from
+    its end, and none of its new IDs fetched."""
+    mock = mock_process("--faults", "none", "--api-key", KEY)
+    ids = write_ids(tmp_path / "ids.txt", [f"a-{i:03d}" for i in range(200)])
+    before = os.stat(ids)
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids)
+    assert cli("run", "-c", str(cfg), "--no-progress", env=ENV).returncode == 0
+    write_ids(ids, [f"b-{i:03d}" for i in range(200)])
+    os.utime(ids, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(ids).st_size, os.stat(ids).st_mtime_ns) == (before.st_size,
+                                                                before.st_mtime_ns)
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert collections.Counter(outcomes_of(tmp_path / "state").values()) == {"ok": 400}
