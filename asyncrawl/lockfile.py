@@ -93,6 +93,12 @@ def lock_state_dir(d: Path) -> int:
                 time.sleep(0.02)  # its files close once the call it is stuck in returns
                 continue
             os.close(lock_fd)
+            if pid.isdigit() and _gone(int(pid)):  # (its writing process outlives it)
+                raise LockedError(
+                    f"the run (pid {pid}) that used the state directory {d} has ended, and its "
+                    "writing process still holds it: it lets go once it has written what the "
+                    "run sent it (if it was stopped, `kill -CONT` it; a hung disk holds it "
+                    "too)") from None
             raise LockedError(
                 f"another asyncrawl run{f' (pid {pid})' if pid else ''} is using the state "
                 f"directory {d}; wait for it to finish or stop it first") from None

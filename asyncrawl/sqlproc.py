@@ -484,8 +484,9 @@ class Zygote:
 # a zygote for this context's runs, if any: ``cli.run_loop`` sets it
 ZYGOTE: ContextVar[Zygote | None] = ContextVar("asyncrawl_zygote", default=None)
 
-# the signals that stop a run (``cli.STOP_SIGNALS``, and Ctrl-\): the run handles them and then
-# closes the pipe; its writing process ignores them and applies what it was sent
+# the signals that stop a run: ``cli.STOP_SIGNALS``, which the run handles (then it closes the
+# pipe), and Ctrl-\ (SIGQUIT), which kills it as kill -9 does; its writing process ignores
+# them and applies what it was sent
 RUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 

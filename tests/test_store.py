@@ -1077,3 +1077,27 @@ async def test_error_answers_of_an_id_in_doubt_are_not_calls_with_no_answer(
     # (an ID not in doubt had an answer to each call: y's error answer is known again)
     assert db_rows(state, "SELECT id, sends, answered FROM items ORDER BY id") == [
         ("x", 3, 0), ("y", 2, 1)]
+
+
+def test_a_lock_held_after_its_run_ended_says_so(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's writing process (stopped, or on a hung disk) holds the lock after the run
+    was killed: the message named the dead run as "another asyncrawl run ... using" it."""
+    import fcntl
+
+    from asyncrawl import lockfile
+
+    monkeypatch.setattr(lockfile, "DYING_WAIT", 0.1)
+    state = tmp_path / "state"
+    state.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (state / lockfile.LOCK).write_text(f"{dead.pid}\n")
+    held = os.open(state / lockfile.LOCK, os.O_RDWR)  # (the writing process's, inherited)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(LockedError, match=f"the run \\(pid {dead.pid}\\) .* has ended, and "
+                                              "its writing process still holds it"):
+            lockfile.lock_state_dir(state)
+    finally:
+        os.close(held)
