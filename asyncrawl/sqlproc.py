@@ -330,6 +330,10 @@ class WriterProcess:
                 if what == APPLY and n >= seq:
                     return
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def gone(self) -> StorageError:
         """The error of a child that ended before answering for everything."""
         code = self._proc.poll()

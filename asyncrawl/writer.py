@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -22,10 +23,13 @@ from .errors import StorageError
 from .records import Commit, Record
 from .store import Store
 
+log = logging.getLogger("asyncrawl")
+
 # Records queued and not yet reported past which a worker starts no new request until the
 # store has caught up (to half of it): what a crash can lose of what was answered stays within
 # ``concurrency`` plus this, however slow the store (SPEC §5), instead of growing with the time
 # a slow disk or a starved writing process falls behind (bench/README.md, stop 45).
+STALL_CHECK = 5.0  # seconds between two looks at whether the store answers (``_check_stall``)
 BACKLOG = 1024
 
 
@@ -46,6 +50,8 @@ class _Reporting:
         self.backlog_limit = BACKLOG
         self._waiting: list[asyncio.Future[None]] = []  # ``caught_up`` callers
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
+        self._last_look = (0, 0)  # (commits, looks since they last moved): ``_check_stall``
+        self.stall_hint = "a hung disk, or a database that holds its locks"
 
     def behind(self) -> bool:
         """Whether the store is so far behind that no new request should start. Never once
@@ -74,6 +80,21 @@ class _Reporting:
             for fut in waiting:
                 if not fut.done():
                     fut.set_result(None)
+
+    def _check_stall(self) -> None:
+        """Every ``STALL_CHECK`` seconds: say when the store has answered nothing for that long
+        (twice in a row) while records wait for it, which stops the run (no request counts,
+        and soon none starts) with no other sign; and when it answers again."""
+        commits, looks = self._last_look
+        stalled = looks >= 2
+        looks = looks + 1 if self.commits == commits and self.backlog else 0
+        self._last_look = (self.commits, looks)
+        if looks == 2:
+            log.warning("the state store has not answered for %.0f s (%s): no request counts, "
+                        "and no new one starts, until it does", STALL_CHECK * looks,
+                        self.stall_hint)
+        elif stalled and not looks:
+            log.warning("the state store answers again")
 
     def _count(self, records: list[Record]) -> None:
         """``records`` are durable (their futures resolved): count them, tell ``on_commit``."""
@@ -175,7 +196,7 @@ class Writer(_Reporting):
                                   daemon=True)
         self._thread = thread
         thread.start()
-        await _wait_out(done, self.close)
+        await _wait_out(done, self.close, self._check_stall)
         if self._bug is not None:
             raise self._bug
 
@@ -301,6 +322,9 @@ class Process(Protocol):
 
     logged: frozenset[str]  # the kinds of record it makes durable first, on their own
 
+    @property
+    def pid(self) -> int: ...
+
     def attach(self, loop: asyncio.AbstractEventLoop,
                on_answer: Callable[[tuple[str, int, str | None] | None], None]) -> None: ...
 
@@ -327,6 +351,7 @@ class ProcessWriter(_Reporting):
                  on_error: Callable[[StorageError], None]) -> None:
         super().__init__(on_commit, on_error)
         self.proc = proc
+        self.stall_hint = f"its writing process, pid {proc.pid}: stopped? a hung disk?"
         self._logged = proc.logged
         self._batch: list[_Entry] = []  # queued since the last batch went
         self._due = False  # a call to _flush is scheduled
@@ -377,7 +402,7 @@ class ProcessWriter(_Reporting):
         self.proc.attach(loop, self._answer)
         try:
             self._flush()
-            await _wait_out(idle, self.close)
+            await _wait_out(idle, self.close, self._check_stall)
         finally:
             self.proc.detach()
         if self._bug is not None:
@@ -452,11 +477,15 @@ class ProcessWriter(_Reporting):
             idle.set_result(None)
 
 
-async def _wait_out(done: asyncio.Future[None], close: Callable[[], None]) -> None:
-    """Wait until ``done``; if this is cancelled first, ``close`` the writer and still wait
-    (what is queued is committed), then let the cancellation through."""
+async def _wait_out(done: asyncio.Future[None], close: Callable[[], None],
+                    look: Callable[[], None]) -> None:
+    """Wait until ``done``, calling ``look`` every ``STALL_CHECK`` seconds; if this is cancelled
+    first, ``close`` the writer and still wait (what is queued is committed), then let the
+    cancellation through."""
     try:
-        await asyncio.shield(done)
+        while not done.done():
+            await asyncio.wait([done], timeout=STALL_CHECK)  # (a timeout cancels nothing)
+            look()
     finally:
         if not done.done():  # cancelled
             close()

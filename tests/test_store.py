@@ -1101,3 +1101,36 @@ def test_a_lock_held_after_its_run_ended_says_so(tmp_path: Path,
             lockfile.lock_state_dir(state)
     finally:
         os.close(held)
+
+
+async def test_a_stalled_writing_process_is_said_and_so_is_its_return(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A stopped writing process (or a hung disk) stopped the run with no sign but 0 req/s."""
+    from asyncrawl import writer
+
+    monkeypatch.setattr(writer, "STALL_CHECK", 0.05)
+    state = tmp_path / "state"
+    store = await open_store(state)
+    w = ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=lambda e: None)
+    task = asyncio.create_task(w.run())
+    pid = store.process.pid  # type: ignore[attr-defined]
+    try:
+        assert await w.commit(Record("run", ts=TS, extra={"job": JOB})) is Commit.DURABLE
+        os.kill(pid, signal.SIGSTOP)
+        sent = w.commit(Record.sent("a"))
+        deadline = asyncio.get_running_loop().time() + 30
+        while "has not answered" not in caplog.text:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.02)
+        assert f"pid {pid}: stopped?" in caplog.text and not sent.done()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert await asyncio.wait_for(sent, 30) is Commit.DURABLE
+    deadline = asyncio.get_running_loop().time() + 30
+    while "answers again" not in caplog.text:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+    w.close()
+    await task
+    await store.close()
