@@ -381,6 +381,9 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
     rows.append(("requests", f"{s.requests:,} ({s.billable:,} billable, {s.retries:,} retries"
                              + (f", {s.unanswered:,} unanswered: possibly billed; the IDs: "
                                 "`asyncrawl export --outcome unanswered`" if s.unanswered
+                                else "")
+                             + (f", {s.cut_off:,} cut off in flight: in doubt, possibly billed; "
+                                "the IDs: `asyncrawl export --outcome in-doubt`" if s.cut_off
                                 else "") + ")"))
     if errors:
         rows.append(("errors", " · ".join(f"{k} × {n:,}" for k, n in errors)))
@@ -410,6 +413,7 @@ def summary_fields(s: Summary, *, total: int | None = None) -> dict[str, Any]:
     return {"ok": s.ok, "failed": s.failed, "unavailable": s.unavailable, "left": left,
             "left_is_upper_bound": unread > 0, "fetched": s.fetched, "skipped": s.skipped,
             "duplicates": s.duplicates, "requests": s.requests, "billable": s.billable,
-            "retries": s.retries, "unanswered": s.unanswered, "elapsed_s": round(s.elapsed, 3),
+            "retries": s.retries, "unanswered": s.unanswered, "cut_off": s.cut_off,
+            "elapsed_s": round(s.elapsed, 3),
             "exit_code": s.exit_code,
             "halt": s.halt.as_dict() if s.halt is not None else None, "state_dir": s.state_dir}

@@ -731,7 +731,8 @@ class Run:
                        fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                        retries=t.retries, requests=t.requests, billable=t.billable,
                        halt=self.stop.halt, elapsed=time.monotonic() - self.meter.started,
-                       state_dir=store.location, unanswered=t.unanswered)
+                       state_dir=store.location, unanswered=t.unanswered,
+                       cut_off=len(self.cut_off))
 
 
 def _unavailable(item: str, tries: int, status: int | None, error: str | None, *,

@@ -109,6 +109,9 @@ class Summary:
     # requests with no answer after their connect (a timeout, a dropped connection): the
     # server may have taken them, so possibly billed (``status``: ``unanswered``)
     unanswered: int = 0
+    # requests cut off in flight when the run stopped (a second signal, the grace period out):
+    # their answers were not waited for, so in doubt, possibly billed (``status``: in doubt)
+    cut_off: int = 0
 
     @property
     def exit_code(self) -> int:

@@ -167,6 +167,8 @@ def test_requests_cut_off_by_the_grace_period_are_exactly_the_in_doubt_ones(
     assert {o["id"]: o["refetched"] for o in in_doubt} == dict.fromkeys(cut_off, False)
     s = status_json(cfg)
     assert s["in_doubt"] == 4 and s["halt"]["reason"] == "signal"
+    # (its summary said only "nothing that succeeded is fetched again")
+    assert "4 cut off in flight: in doubt" in (tmp_path / "run.out").read_text()
 
     rerun_fetches_nothing_that_succeeded(cfg, mock, set(), "--concurrency", "8")
     in_doubt = jsonl(export(cfg, "--outcome", "in-doubt"))
