@@ -91,8 +91,9 @@ class _Reporting:
         self._last_look = (self.commits, looks)
         if looks == 2:
             log.warning("the state store has not answered for %.0f s (%s): no request counts, "
-                        "and no new one starts, until it does", STALL_CHECK * looks,
-                        self.stall_hint)
+                        "and no new one starts, until it does (a stop waits for it too; "
+                        "`kill -9` of the run is safe: what is committed is kept)",
+                        STALL_CHECK * looks, self.stall_hint)
         elif stalled and not looks:
             log.warning("the state store answers again")
 
