@@ -9,8 +9,10 @@ An alert that fails is logged; it never changes the run's outcome.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from typing import Any
 
 import aiohttp
@@ -19,11 +21,15 @@ from .config import Config
 from .types import Halt, Summary
 
 log = logging.getLogger("asyncrawl")
-ALERT_TIMEOUT = 30.0
+ALERT_TIMEOUT = 30.0  # seconds the on_halt command may take (then it is killed, its children too)
+WEBHOOK_TIMEOUT = 10.0  # seconds the webhook's POST may take
 LIBPQ_SECRETS = frozenset({"PGPASSWORD"})  # a PostgreSQL state's password, read by libpq
 
 
-def alert_facts(config: Config, halt: Halt, summary: Summary) -> dict[str, Any]:
+def alert_facts(config: Config, halt: Halt, summary: Summary, *,
+                left: int | None = None) -> dict[str, Any]:
+    """What an alert says. ``pending``: the IDs left to fetch (``left``, as the summary counts
+    them), else those of the run's list not settled."""
     return {
         "reason": halt.reason,
         "status": halt.status,
@@ -31,43 +37,82 @@ def alert_facts(config: Config, halt: Halt, summary: Summary) -> dict[str, Any]:
         "ok": summary.ok,
         "failed": summary.failed,
         "unavailable": summary.unavailable,
-        "pending": summary.pending,
+        "pending": summary.pending if left is None else left,
         "state_dir": summary.state_dir,
     }
 
 
 async def send_alerts(config: Config, halt: Halt, summary: Summary,
-                      session: aiohttp.ClientSession) -> None:
-    facts = alert_facts(config, halt, summary)
-    if config.on_halt:
-        # the caller's environment minus variables holding a secret (e.g. the API key), and
-        # the database's password that libpq takes from the environment itself
-        env = {k: v for k, v in os.environ.items()
-               if v not in config.secrets and k not in LIBPQ_SECRETS}
-        env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
-        try:
-            proc = await asyncio.create_subprocess_shell(
-                config.on_halt, env=env, stdin=asyncio.subprocess.DEVNULL)
-            try:
-                rc = await asyncio.wait_for(proc.wait(), ALERT_TIMEOUT)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-                log.warning("on_halt command timed out after %gs", ALERT_TIMEOUT)
-            else:
-                if rc:
-                    log.warning("on_halt command exited with %s", rc)
-        except OSError as e:
-            log.warning("on_halt command could not run: %s", e)
-    if config.webhook:
-        try:
-            async with session.post(config.webhook, json=facts,
-                                    timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                if resp.status >= 300:
-                    log.warning("alert webhook answered HTTP %s", resp.status)
-        except aiohttp.ClientConnectorError as e:  # (its text says "ssl:default" for http://)
-            why = e.os_error.strerror or type(e.os_error).__name__
-            log.warning("alert webhook failed: cannot connect to %s:%s (%s)", e.host, e.port,
-                        config.redact(why))
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("alert webhook failed: %s", config.redact(str(e)) or type(e).__name__)
+                      session: aiohttp.ClientSession, *, left: int | None = None,
+                      hurry: asyncio.Event | None = None) -> None:
+    """The ``on_halt`` command and the webhook, at once, each bounded in time (the command
+    ``ALERT_TIMEOUT``, the webhook ``WEBHOOK_TIMEOUT``), both cut short by ``hurry`` (a second
+    signal: the operator wants out now)."""
+    facts = alert_facts(config, halt, summary, left=left)
+    sends = ([_command(config, config.on_halt, facts)] if config.on_halt else []) + (
+        [_webhook(config, config.webhook, facts, session)] if config.webhook else [])
+    if not sends:
+        return
+    both = asyncio.gather(*sends)
+    stop = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
+    waited: list[asyncio.Future[Any]] = [both, *([stop] if stop is not None else [])]
+    try:
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+        if not both.done():
+            log.warning("the alerts were cut short by a second signal")
+    finally:
+        for t in (both, stop):
+            if t is not None and not t.done():
+                t.cancel()
+        await asyncio.wait(waited)
+        if both.done() and not both.cancelled():
+            both.exception()  # (retrieved: each send logs its own failures)
+
+
+async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
+    """Run ``on_halt`` in a session of its own: killed with whatever it started if it takes
+    longer than ``ALERT_TIMEOUT`` or the alerts are cut short (a child left behind held the
+    run's stdout open until it ended)."""
+    # the caller's environment minus variables holding a secret (e.g. the API key), and the
+    # database's password that libpq takes from the environment itself
+    env = {k: v for k, v in os.environ.items()
+           if v not in config.secrets and k not in LIBPQ_SECRETS}
+    env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
+    try:
+        proc = await asyncio.create_subprocess_shell(
+            command, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        log.warning("on_halt command could not run: %s", e)
+        return
+    try:
+        rc = await asyncio.wait_for(proc.wait(), ALERT_TIMEOUT)
+    except TimeoutError:
+        log.warning("on_halt command timed out after %gs: killed", ALERT_TIMEOUT)
+        return
+    finally:
+        if proc.returncode is None:  # (timed out, or cut short)
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
+    if rc:
+        log.warning("on_halt command exited with %s", rc)
+
+
+async def _webhook(config: Config, url: str, facts: dict[str, Any],
+                   session: aiohttp.ClientSession) -> None:
+    """POST the facts to the webhook. Its URL is a secret, and aiohttp's errors quote it (in
+    a form redaction may not know: a host in lower case, %7e as ~): only their kind is said."""
+    try:
+        async with session.post(url, json=facts,
+                                timeout=aiohttp.ClientTimeout(total=WEBHOOK_TIMEOUT)) as resp:
+            if resp.status >= 300:
+                log.warning("alert webhook answered HTTP %s", resp.status)
+    except aiohttp.ClientConnectorError as e:  # (its text says "ssl:default" for http://)
+        why = e.os_error.strerror or type(e.os_error).__name__
+        log.warning("alert webhook failed: cannot connect to %s:%s (%s)", e.host, e.port,
+                    config.redact(why))
+    except aiohttp.ClientResponseError as e:
+        log.warning("alert webhook failed: %s (an answer that could not be read%s)",
+                    type(e).__name__, f", HTTP {e.status}" if e.status else "")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        log.warning("alert webhook failed: %s", type(e).__name__)

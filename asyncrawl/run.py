@@ -44,6 +44,7 @@ from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
+from .progress import ids_left
 from .records import Commit, Counts, Record, settled
 from .source import CHUNK_IDS, IdsFile, file_identity
 from .store import Store
@@ -143,7 +144,8 @@ class Run:
                               halt=None, elapsed=time.monotonic() - self.meter.started,
                               state_dir=cfg.state_shown)
             self._alerts.append(asyncio.create_task(
-                send_alerts(cfg, halt, summary, self._session), name="asyncrawl-alert"))
+                send_alerts(cfg, halt, summary, self._session, hurry=self.stop.hurry),
+                name="asyncrawl-alert"))
 
     def _error_halt(self, exc: BaseException) -> Halt:
         """The halt of a run whose ID source or hook raised ``exc`` (redacted, then cut)."""
@@ -274,7 +276,8 @@ class Run:
             return
         if job is not None and job.heartbeat.halted_elsewhere:
             return  # the run that met the halt sends the alerts
-        await send_alerts(self.config, halt, summary, session)
+        await send_alerts(self.config, halt, summary, session,
+                          left=ids_left(summary, self.meter.total)[0], hurry=self.stop.hurry)
         if self.hooks.on_halt is not None:
             try:  # (observes only: what it raises does not take the run's summary away)
                 self.hooks.on_halt(halt, summary)

@@ -484,7 +484,7 @@ def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -
     env_file = tmp_path / "alert-env.txt"
     with webhook_receiver() as (hook_url, posts):
         cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
-                           write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(100)]),
+                           write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(3000)]),
                            alerts={"on_halt": f"env > '{env_file}'", "webhook": hook_url})
         r = cli("run", "-c", str(cfg), "--no-progress",
                 env={**ENV, "PGPASSWORD": "pg-secret-9c1"})  # (libpq's, never the config's)
@@ -494,6 +494,7 @@ def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -
     assert env["ASYNCRAWL_REASON"] == "fatal"
     assert env["ASYNCRAWL_STATUS"] == "402"
     assert env["ASYNCRAWL_OK"] == "30"
+    assert env["ASYNCRAWL_PENDING"] == "2970"  # (was the IDs read ahead and not settled: ~1,000)
     assert env["ASYNCRAWL_STATE_DIR"] == str(tmp_path / "state")
     assert "ASYNCRAWL_MESSAGE" in env
     assert KEY not in env_file.read_text()  # not even through the caller's own environment
@@ -501,6 +502,7 @@ def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -
     assert len(posts) == 1
     body = posts[0]["json"]
     assert body["reason"] == "fatal" and body["status"] == 402 and body["ok"] == 30
+    assert body["pending"] == 2970
     assert KEY.encode() not in posts[0]["raw"]
     assert KEY not in json.dumps(posts[0]["headers"])
 
@@ -1491,3 +1493,40 @@ def test_an_ids_file_rewritten_in_place_with_its_time_set_back_is_read_again(
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
     assert r.returncode == 0, r.stderr
     assert collections.Counter(outcomes_of(tmp_path / "state").values()) == {"ok": 400}
+
+
+def test_a_hung_on_halt_command_is_cut_short_by_a_second_signal_with_what_it_started(
+        tmp_path: Path, mock_process: Any) -> None:
+    """The alerts held the run's end for 30 s (the command's timeout) plus the webhook's 10,
+    one after the other, deaf to Ctrl-C; a killed command's own child lived on."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--balance", "10")
+    pids = tmp_path / "pids"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(100)]),
+                       alerts={"on_halt": f"sleep 100 & echo $! > '{pids}'; wait"})
+    proc = popen_cli(tmp_path, "alerting", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: pids.exists() and pids.read_text().strip().isdigit(), proc)
+        child = int(pids.read_text())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # (the run has halted: one signal is a second stop)
+        assert proc.wait(20) == 3
+        assert time.monotonic() - t0 < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "alerting.err").read_text()
+    assert "alerts were cut short" in err, err
+    deadline = time.monotonic() + 10
+    while _alive(child):  # (killed with its group)
+        assert time.monotonic() < deadline, "the command's child lives on"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not reaped yet, does not)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text(errors="replace")
+    except OSError:
+        return False

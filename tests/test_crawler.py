@@ -1382,3 +1382,28 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_not_every_error_
     assert st["billable"] == 0 and st["requests_sent"] >= 40
     assert st["no_answer"] == cut  # one call each, the one cut off
     assert st["not_billed"] == st["requests_sent"] - cut
+
+
+async def test_a_failed_webhook_is_logged_without_its_url(
+        state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's error quoted the webhook's URL, a secret, in a form the redaction did not
+    know (the host in lower case): its token went into the log."""
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 abc\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    hook = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = hook.sockets[0].getsockname()[1]
+    try:
+        async with MockAPI(api_key=KEY, balance=5) as api:
+            cfg = fast_config(api, state, concurrency=1,
+                              webhook=f"http://LOCALHOST:{port}/services/T0/B0/S3CRETTOKEN123")
+            s = await Crawler(cfg).run([f"w{i}" for i in range(20)])
+    finally:
+        hook.close()
+        await hook.wait_closed()
+    assert s.halt is not None and s.halt.status == 402
+    assert "alert webhook failed" in caplog.text
+    assert "S3CRETTOKEN123" not in caplog.text
