@@ -19,13 +19,13 @@ import stat
 import sys
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
 from ._version import __version__
-from .config import MAX_NUMBER, UNUSED_URL, Config, check_job, expand_env, is_url
-from .errors import AsyncrawlError, ConfigError, InputError
+from .config import MAX_CONCURRENCY, MAX_NUMBER, UNUSED_URL, Config, check_job, expand_env, is_url
+from .errors import AsyncrawlError, ConfigError, InputError, StorageError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, settled
 from .types import Progress, Summary
@@ -489,7 +489,7 @@ def _report_end(summary: Summary, config: Config, *, total: int | None, to_log: 
 FILES_RESERVE = 64  # open files a run needs beside its connections: state, log, pipes, the loop
 
 
-def enough_files(connections: int) -> None:
+def enough_files(connections: int, key: str = "limits.concurrency") -> None:
     """Raise this process's soft limit on open files (``ulimit -n``, often 1,024) to what
     ``connections`` and the rest of a run need, up to the hard limit; a ``ConfigError`` (exit
     2) if even that is too low. (Tries the limit refuses send nothing and wait for connections
@@ -501,11 +501,14 @@ def enough_files(connections: int) -> None:
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
     if hard == resource.RLIM_INFINITY or hard >= need:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
-        return
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+            return
+        except (ValueError, OSError):  # (macOS: above kern.maxfilesperproc, whatever hard says)
+            pass
     raise ConfigError(f"{connections:,} connections at once need about {need:,} open files, and "
-                      f"this process may open {hard:,} at most (`ulimit -Hn`): lower the "
-                      "concurrency, or raise the limit", key="limits.concurrency")
+                      f"this process may not open more than {soft:,} (`ulimit -n`, `ulimit -Hn`)"
+                      ": lower the concurrency, or raise the limit", key=key)
 
 
 SPOOL = "asyncrawl-ids-"  # IDs read once (stdin, a pipe) are copied to a file of that name
@@ -692,7 +695,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = load_config(args, need_env=False, need_url=False)
     has_config = bool(args.config) or Path("config.toml").is_file()
     s = status(config, endpoint="" if has_config else None)  # "": from the config's URL
-    print(json.dumps(s) if args.json else status_text(s))
+    with _to_stdout():
+        print(json.dumps(s) if args.json else status_text(s))
     return 0
 
 
@@ -709,9 +713,25 @@ def cmd_export(args: argparse.Namespace) -> int:
         if len(set(fields)) < len(fields):
             twice = next(f for f in fields if fields.count(f) > 1)
             raise ConfigError(f"{twice!r} is given twice", key="--fields")
-    export(config, outcome=args.outcome, fmt=args.format, fields=fields,
-           out=sys.stdout, path=args.output)
+    with _to_stdout() if args.output is None else contextlib.nullcontext():
+        export(config, outcome=args.outcome, fmt=args.format, fields=fields,
+               out=sys.stdout, path=args.output)
     return 0
+
+
+@contextlib.contextmanager
+def _to_stdout() -> Iterator[None]:
+    """Around what writes to stdout: an OSError there (a full disk: `> /dev/full`) is the
+    output's, exit 5 saying so, not a bug's traceback (a reader gone: ``main`` exits 0)."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        _stdout_gone()
+        raise StorageError(f"cannot write to standard output: {e.strerror or e}") from None
 
 
 DEMO_QUOTA = 1200  # the mock's requests per second; past it: 429 + Retry-After
@@ -725,6 +745,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not 0 < value <= MAX_NUMBER:  # (before anything is made: nan and inf too)
             raise ConfigError(f"must be greater than 0 (and at most 10^15), got {value:g}",
                               key=flag)
+    if args.concurrency > MAX_CONCURRENCY:
+        raise ConfigError(f"must be at most {MAX_CONCURRENCY:,}, got {args.concurrency:,}",
+                          key="--concurrency")
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
     ids_file = Path(state) / "demo-ids.txt"
     try:
@@ -791,7 +814,7 @@ def _demo(args: argparse.Namespace, state: str, ids_file: Path, again: bool) -> 
         return summary
 
     t0 = time.monotonic()
-    enough_files(2 * args.concurrency)  # (the mock API's side of each connection too)
+    enough_files(2 * args.concurrency, "--concurrency")  # (the mock API's side of each, too)
     tune_gc()
     try:
         summary = run_loop(main())
@@ -803,7 +826,6 @@ def _demo(args: argparse.Namespace, state: str, ids_file: Path, again: bool) -> 
 
 
 COMMANDS = {"run": cmd_run, "status": cmd_status, "export": cmd_export, "demo": cmd_demo}
-OUTPUT_COMMANDS = ("status", "export")  # (those whose work is what they print)
 
 
 def _standard_fds() -> None:
@@ -845,12 +867,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # (status, export: the reader has what it wanted, as `head` does)
         _stdout_gone()
         return 0
-    except Exception as e:
-        if isinstance(e, OSError) and e.filename is None and args.command in OUTPUT_COMMANDS:
-            _stdout_gone()  # (a full disk, say)
-            print(f"asyncrawl: error: cannot write to standard output: {e.strerror or e}",
-                  file=sys.stderr)
-            return 5
+    except Exception:
         traceback.print_exc()
         print("asyncrawl: internal error (a bug, please report it with the traceback above); "
               "what was recorded is safe: rerun to resume", file=sys.stderr)

@@ -95,10 +95,11 @@ def lock_state_dir(d: Path) -> int:
             os.close(lock_fd)
             if pid.isdigit() and _gone(int(pid)):  # (its writing process outlives it)
                 raise LockedError(
-                    f"the run (pid {pid}) that used the state directory {d} has ended, and its "
-                    "writing process still holds it: it lets go once it has written what the "
-                    "run sent it (if it was stopped, `kill -CONT` it; a hung disk holds it "
-                    "too)") from None
+                    f"the state directory {d} is held, and the run that took it (pid {pid}) is "
+                    "no process here: it ended and its writing process still holds it (it lets "
+                    "go once it has written what the run sent it; if it was stopped, `kill "
+                    "-CONT` it), or it runs on another machine or in another container that "
+                    "shares the directory (stop it first)") from None
             raise LockedError(
                 f"another asyncrawl run{f' (pid {pid})' if pid else ''} is using the state "
                 f"directory {d}; wait for it to finish or stop it first") from None

@@ -56,6 +56,7 @@ log = logging.getLogger("asyncrawl")
 
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
 REFUSED_AFTER = 20  # answers, all refusing alike (``fetch.REFUSING``) before any other, that halt it
+LOCAL_GIVE_UP = 60.0  # seconds of tries that all found no file for a socket that stop the run
 
 # IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
 # and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
@@ -104,6 +105,7 @@ class Run:
         self._lean = False  # (``execute``'s)
         self.budget: Budget | None = None
         self.escaped: BaseException | None = None  # (``_escape``)
+        self._local_since: float | None = None  # (``_no_files``)
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -652,6 +654,10 @@ class Run:
                                   "are logged at debug level)", item)
                 else:
                     log.debug("on_attempt hook failed for ID %r", item, exc_info=True)
+        if attempt.kind is ErrorKind.LOCAL:
+            self._no_files(attempt)
+        elif self._local_since is not None:
+            self._local_since = None
         if self._answered:
             return
         status = attempt.status
@@ -677,6 +683,18 @@ class Run:
             self.stop.set(Halt("unreachable", None, self.config.redact(
                 f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "
                 f"answer yet: {fix}")))
+
+    def _no_files(self, attempt: Attempt) -> None:
+        """A try this machine could not make (no file for a socket): it waits, uncharged, for
+        connections to close; but when every try has met this for ``LOCAL_GIVE_UP`` seconds
+        (files leaked, or taken by another part of the application), the run stops (exit 2)
+        rather than go round for ever."""
+        now = time.monotonic()
+        if self._local_since is None:
+            self._local_since = now
+        elif now - self._local_since >= LOCAL_GIVE_UP and not self.stop.is_set():
+            self.stop.set(Halt("unreachable", None, self.config.redact(
+                f"{attempt.error}: every try for {LOCAL_GIVE_UP:g} s")))
 
     def _on_commit(self, records: list[Record]) -> None:
         """Called by the writer once ``records`` are durable: only now do they count."""

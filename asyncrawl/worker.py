@@ -397,15 +397,19 @@ class Worker:
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not
             # one (the server answered, and billed it), but one cut short or stalled on its way
-            down = retry and not limited and attempt.kind is not ErrorKind.LOCAL and (
-                not attempt.unusable or attempt.kind in _ON_THE_WAY)
+            down = retry and not limited and (not attempt.unusable or attempt.kind in _ON_THE_WAY)
             retry_after = attempt.retry_after
             if retry_after is not None:
                 retry_after = min(retry_after, self.config.retry_after_max)
-            # Only first tries in pass 1 of IDs with no failure behind them tell an outage from
-            # bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly bad IDs).
-            gov.on_response(ticket, item.id, limited=limited, failed=down,
-                            retry_after=retry_after, evidence=first)
+            if attempt.kind is ErrorKind.LOCAL:  # (no file for a socket: nothing was sent, and
+                gov.unused(ticket)  # nothing said of the API; a probe's ticket goes back)
+                down = False
+            else:
+                # Only first tries in pass 1 of IDs with no failure behind them tell an outage
+                # from bad IDs (pass 2, and a rerun's leftovers from earlier runs, are mostly
+                # bad IDs).
+                gov.on_response(ticket, item.id, limited=limited, failed=down,
+                                retry_after=retry_after, evidence=first)
             # (A failed probe is charged, so an ID that is bad by itself cannot probe forever.)
             outage = down and gov.breaker_open and not ticket.probe
             verdict = decide(item, attempt, self.config, self.pass_no, outage=outage)

@@ -51,7 +51,7 @@ class _Reporting:
         self._waiting: list[asyncio.Future[None]] = []  # ``caught_up`` callers
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self._last_look = (0, 0)  # (commits, looks since they last moved): ``_check_stall``
-        self.stall_hint = "a hung disk, or a database that holds its locks"
+        self.stall_hint = "a slow commit, a hung disk, or a database that holds its locks"
 
     def behind(self) -> bool:
         """Whether the store is so far behind that no new request should start. Never once
@@ -94,7 +94,7 @@ class _Reporting:
                         "and no new one starts, until it does (a stop waits for it too; "
                         "`kill -9` of the run is safe: what is committed is kept)",
                         STALL_CHECK * looks, self.stall_hint)
-        elif stalled and not looks:
+        elif stalled and not looks and self.commits > commits and self.failed is None:
             log.warning("the state store answers again")
 
     def _count(self, records: list[Record]) -> None:
@@ -352,7 +352,8 @@ class ProcessWriter(_Reporting):
                  on_error: Callable[[StorageError], None]) -> None:
         super().__init__(on_commit, on_error)
         self.proc = proc
-        self.stall_hint = f"its writing process, pid {proc.pid}: stopped? a hung disk?"
+        self.stall_hint = (f"its writing process, pid {proc.pid}: stopped? a hung disk? a very "
+                           "slow commit?")
         self._logged = proc.logged
         self._batch: list[_Entry] = []  # queued since the last batch went
         self._due = False  # a call to _flush is scheduled

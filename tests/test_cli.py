@@ -1473,8 +1473,21 @@ def test_a_state_directory_removed_mid_run_stops_it_with_exit_5(tmp_path: Path,
             proc.kill()
             proc.wait()
     err = (tmp_path / "removed.err").read_text()
-    assert "was deleted or replaced while the run went on" in err, err
+    assert "was deleted while the run went on" in err, err
     assert len(read_log(mock.log_path)) // 2 < 2000  # (it stopped: not every ID bought)
+
+    # a state directory moved mid-run is the same state: the run goes on into it
+    moved = tmp_path / "moved"
+    proc = popen_cli(tmp_path, "moved", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: ok_count(state) >= 100, proc)
+        state.rename(moved)
+        assert proc.wait(120) == 0, (tmp_path / "moved.err").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert collections.Counter(outcomes_of(moved).values()) == {"ok": 3000}
 
 
 def test_an_ids_file_rewritten_in_place_with_its_time_set_back_is_read_again(
@@ -1530,3 +1543,22 @@ def _alive(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text(errors="replace")
     except OSError:
         return False
+
+
+def test_a_limit_on_open_files_the_system_will_not_raise_is_a_usage_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS refuses a soft limit above kern.maxfilesperproc whatever the hard limit says:
+    setrlimit's ValueError came out as a bug's traceback."""
+    import resource
+
+    from asyncrawl import cli as cli_mod
+
+    def refuse(which: int, limits: tuple[int, int]) -> None:
+        raise ValueError("current limit exceeds maximum limit")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    with pytest.raises(ConfigError, match="open files") as e:
+        cli_mod.enough_files(20_000, "--concurrency")
+    assert e.value.key == "--concurrency"
+    cli_mod.enough_files(100)  # (256 are enough: nothing asked)

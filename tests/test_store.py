@@ -1096,8 +1096,8 @@ def test_a_lock_held_after_its_run_ended_says_so(tmp_path: Path,
     held = os.open(state / lockfile.LOCK, os.O_RDWR)  # (the writing process's, inherited)
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(LockedError, match=f"the run \\(pid {dead.pid}\\) .* has ended, and "
-                                              "its writing process still holds it"):
+        with pytest.raises(LockedError, match=f"the run that took it \\(pid {dead.pid}\\) is "
+                                              "no process here: it ended and its writing process"):
             lockfile.lock_state_dir(state)
     finally:
         os.close(held)
@@ -1134,3 +1134,15 @@ async def test_a_stalled_writing_process_is_said_and_so_is_its_return(
     w.close()
     await task
     await store.close()
+
+
+def test_an_ids_file_identity_kept_by_the_release_before_still_matches() -> None:
+    """It had no change time: every job lost its read-on-from-the-frontier for good at the
+    upgrade (its file taken for changed, the job's source "mixed")."""
+    from asyncrawl.sqlstore import _same_file
+
+    new = {"path": "/ids", "size": 9, "mtime_ns": 5, "ctime_ns": 7, "ino": 3, "dev": 1}
+    old = {k: v for k, v in new.items() if k != "ctime_ns"}
+    assert _same_file(old, new) and _same_file(new, dict(new))
+    assert not _same_file(new, {**new, "ctime_ns": 8})  # (rewritten, its mtime set back)
+    assert not _same_file(old, {**new, "mtime_ns": 6})
