@@ -13,6 +13,7 @@ import itertools
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,6 +29,7 @@ from .store import read_store
 from .types import Halt
 
 __all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
+STALE_LIVE = 5.0  # seconds after which a running job's live figures are said to be old
 
 
 def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
@@ -139,6 +141,9 @@ def status_text(s: dict[str, Any]) -> str:
             if live["paused_for"] > 0:
                 gov += f", paused {live['paused_for']:.0f}s (Retry-After)"
             gov += ", breaker OPEN (upstream down, probing)" if live["breaker_open"] else ", breaker closed"
+            age = time.time() - live.get("ts", time.time())
+            if age >= STALE_LIVE:  # (written every second: a run frozen, or its loop blocked)
+                gov += f" (as of {age:,.0f} s ago: the run has not said more since)"
             lines.append(f"governor     {gov}")
         for r in s.get("live_runs", ()):
             if "pass_no" not in r:

@@ -1407,3 +1407,19 @@ async def test_a_failed_webhook_is_logged_without_its_url(
     assert s.halt is not None and s.halt.status == 402
     assert "alert webhook failed" in caplog.text
     assert "S3CRETTOKEN123" not in caplog.text
+
+
+async def test_status_says_how_old_a_running_job_s_live_figures_are(api: MockAPI,
+                                                                    state: Path) -> None:
+    """A run frozen (SIGSTOP) or with its loop blocked: its last figures were shown as now."""
+    import time
+
+    cfg = fast_config(api, state)
+    await Crawler(cfg).run(["a"])
+    s = status(cfg)
+    live = {"effective_rate": 10.0, "configured_rate": 10.0, "rate": 9.5, "pass_no": 1,
+            "paused_for": 0.0, "breaker_open": False}
+    s.update(running=123, in_flight=0, live={**live, "ts": time.time()})
+    assert "as of" not in status_text(s)
+    s["live"] = {**live, "ts": time.time() - 60}
+    assert "sending 9.5 req/s, pass 1, breaker closed (as of 60 s ago" in status_text(s)
