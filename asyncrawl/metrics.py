@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import Config
 from .errors import ConfigError, require_extra
-from .fetch import status_class
+from .fetch import Outcome, status_class
 from .types import Progress, Result
 
 
@@ -68,7 +68,10 @@ class Metrics:
         if status is None:
             self.requests.labels("error", "").inc()
             return
-        self.requests.labels(status_class(status, self.config).value, str(status)).inc()
+        outcome = status_class(status, self.config)
+        if error is not None and outcome is Outcome.OK:  # (a 2xx whose body cannot be used:
+            outcome = Outcome.RETRY  # bought again, as a retry)
+        self.requests.labels(outcome.value, str(status)).inc()
         if 200 <= status < 300:
             self.billable.inc()
 

@@ -65,8 +65,28 @@ def test_metrics_are_served_while_the_job_runs(tmp_path: Path, mock_process: Any
     # counts only grow, scrape after scrape
     totals = [_value(t, "asyncrawl_requests_total") for t in seen]
     assert totals == sorted(totals)
-    assert _value(text, "asyncrawl_billable_calls_total") <= _value(
-        text, 'asyncrawl_requests_total{outcome="ok"')
+    # every 2xx is billable: the ok ones, and those whose body could not be used (a retry)
+    assert _value(text, "asyncrawl_billable_calls_total") == _value(
+        text, 'asyncrawl_requests_total{outcome="ok"') + _value(
+        text, 'asyncrawl_requests_total{outcome="retry",status="2')
+
+
+def test_a_2xx_whose_body_cannot_be_used_counts_as_a_retry() -> None:
+    """It was labelled ok (2,886 ok requests for 2,864 ok results): the class of its status,
+    not of the answer."""
+    from asyncrawl import Config, Progress
+    from asyncrawl.metrics import Metrics
+
+    idle = Progress(pass_no=1, total=None, done=0, ok=0, failed=0, unavailable=0, skipped=0,
+                    retries=0, requests=0, in_flight=0, parked=0, rate=0.0, paused_for=0.0,
+                    elapsed=0.0, eta=None)
+    m = Metrics(Config(url="http://x/{id}"), lambda: idle)
+    m.attempt("a", 200, None)
+    m.attempt("b", 200, "2xx body is not valid JSON")
+    text = m.text().decode()
+    assert _value(text, 'asyncrawl_requests_total{outcome="ok",status="200"}') == 1
+    assert _value(text, 'asyncrawl_requests_total{outcome="retry",status="200"}') == 1
+    assert _value(text, "asyncrawl_billable_calls_total") == 2
 
 
 def test_metrics_address_is_checked_before_anything_is_sent(tmp_path: Path) -> None:
