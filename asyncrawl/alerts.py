@@ -21,7 +21,7 @@ from .config import Config
 from .types import Halt, Summary
 
 log = logging.getLogger("asyncrawl")
-ALERT_TIMEOUT = 30.0  # seconds the on_halt command may take (then it is killed, its children too)
+COMMAND_TIMEOUT = 30.0  # seconds the on_halt command may take (then it is killed, its children too)
 WEBHOOK_TIMEOUT = 10.0  # seconds the webhook's POST may take
 LIBPQ_SECRETS = frozenset({"PGPASSWORD"})  # a PostgreSQL state's password, read by libpq
 
@@ -46,32 +46,36 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
                       session: aiohttp.ClientSession, *, left: int | None = None,
                       hurry: asyncio.Event | None = None) -> None:
     """The ``on_halt`` command and the webhook, at once, each bounded in time (the command
-    ``ALERT_TIMEOUT``, the webhook ``WEBHOOK_TIMEOUT``), both cut short by ``hurry`` (a second
-    signal: the operator wants out now)."""
+    ``COMMAND_TIMEOUT``, the webhook ``WEBHOOK_TIMEOUT``), both cut short by ``hurry`` (set by a
+    signal while they are sent: the operator wants out now)."""
     facts = alert_facts(config, halt, summary, left=left)
     sends = ([_command(config, config.on_halt, facts)] if config.on_halt else []) + (
         [_webhook(config, config.webhook, facts, session)] if config.webhook else [])
     if not sends:
         return
-    both = asyncio.gather(*sends)
+    sending = asyncio.gather(*sends, return_exceptions=True)
     stop = asyncio.ensure_future(hurry.wait()) if hurry is not None else None
-    waited: list[asyncio.Future[Any]] = [both, *([stop] if stop is not None else [])]
+    waited: list[asyncio.Future[Any]] = [sending, *([stop] if stop is not None else [])]
     try:
         await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
-        if not both.done():
-            log.warning("the alerts were cut short by a second signal")
     finally:
-        for t in (both, stop):
-            if t is not None and not t.done():
-                t.cancel()
+        cut = not sending.done()
+        for t in waited:
+            t.cancel()
         await asyncio.wait(waited)
-        if both.done() and not both.cancelled():
-            both.exception()  # (retrieved: each send logs its own failures)
+    if cut:
+        if not sending.cancelled():
+            sending.exception()  # (the cancellation it holds: retrieved)
+        log.warning("the alerts were cut short by a signal")
+        return
+    for failed in sending.result():
+        if isinstance(failed, Exception):  # (each send logs the failures it expects)
+            log.error("an alert failed: %s", type(failed).__name__, exc_info=failed)
 
 
 async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
     """Run ``on_halt`` in a session of its own: killed with whatever it started if it takes
-    longer than ``ALERT_TIMEOUT`` or the alerts are cut short (a child left behind held the
+    longer than ``COMMAND_TIMEOUT`` or the alerts are cut short (a child left behind held the
     run's stdout open until it ended)."""
     # the caller's environment minus variables holding a secret (e.g. the API key), and the
     # database's password that libpq takes from the environment itself
@@ -85,9 +89,9 @@ async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
         log.warning("on_halt command could not run: %s", e)
         return
     try:
-        rc = await asyncio.wait_for(proc.wait(), ALERT_TIMEOUT)
+        rc = await asyncio.wait_for(proc.wait(), COMMAND_TIMEOUT)
     except TimeoutError:
-        log.warning("on_halt command timed out after %gs: killed", ALERT_TIMEOUT)
+        log.warning("on_halt command timed out after %gs: killed", COMMAND_TIMEOUT)
         return
     finally:
         if proc.returncode is None:  # (timed out, or cut short)

@@ -57,6 +57,7 @@ log = logging.getLogger("asyncrawl")
 INCURABLE_AFTER = 3  # attempts, all failing alike before any answer, that stop the run
 REFUSED_AFTER = 20  # answers, all refusing alike (``fetch.REFUSING``) before any other, that halt it
 LOCAL_GIVE_UP = 60.0  # seconds of tries that all found no file for a socket that stop the run
+LOCAL_GAP = 5.0  # seconds without a try that start that count again
 
 # IDs to fetch, the block of the IDs file they were read in (-1: not a file, or from the state),
 # and, for a block's last chunk, where the file's block ends: {offset, line, unique, dups}
@@ -106,6 +107,8 @@ class Run:
         self.budget: Budget | None = None
         self.escaped: BaseException | None = None  # (``_escape``)
         self._local_since: float | None = None  # (``_no_files``)
+        self._local_last = 0.0
+        self._alerting: asyncio.Event | None = None  # set by a signal while a halt's alerts go
 
     def __repr__(self) -> str:
         halt = self.stop.halt
@@ -117,6 +120,8 @@ class Run:
     def request_stop(self, reason: str = "signal", signum: int | None = None) -> None:
         """Stop like SIGINT: no new requests, in-flight ones get the grace period. A second
         call cuts the grace period short."""
+        if self._alerting is not None:  # (the alerts of a halt: the operator wants out)
+            self._alerting.set()
         if self.stop.is_set():
             self.stop.hurry.set()
             return
@@ -139,14 +144,14 @@ class Run:
         if left and self._session is not None:
             halt = Halt("key_retired", attempt.status, message)
             t = self.tally
-            summary = Summary(ok=t.ok, failed=t.failed, unavailable=t.unavailable,
-                              pending=self.meter.left() or 0,
+            summary = Summary(ok=t.ok, failed=t.failed, unavailable=t.unavailable, pending=0,
                               fetched=t.ok, skipped=t.skipped, duplicates=t.duplicates,
                               retries=t.retries, requests=t.requests, billable=t.billable,
                               halt=None, elapsed=time.monotonic() - self.meter.started,
                               state_dir=cfg.state_shown)
             self._alerts.append(asyncio.create_task(
-                send_alerts(cfg, halt, summary, self._session, hurry=self.stop.hurry),
+                send_alerts(cfg, halt, summary, self._session, hurry=self.stop.hurry,
+                            left=ids_left(summary, self.meter.total)[0]),
                 name="asyncrawl-alert"))
 
     def _error_halt(self, exc: BaseException) -> Halt:
@@ -278,8 +283,13 @@ class Run:
             return
         if job is not None and job.heartbeat.halted_elsewhere:
             return  # the run that met the halt sends the alerts
-        await send_alerts(self.config, halt, summary, session,
-                          left=ids_left(summary, self.meter.total)[0], hurry=self.stop.hurry)
+        self._alerting = asyncio.Event()  # (a signal from now on cuts them short)
+        try:
+            await send_alerts(self.config, halt, summary, session,
+                              left=ids_left(summary, self.meter.total)[0],
+                              hurry=self._alerting)
+        finally:
+            self._alerting = None
         if self.hooks.on_halt is not None:
             try:  # (observes only: what it raises does not take the run's summary away)
                 self.hooks.on_halt(halt, summary)
@@ -690,9 +700,10 @@ class Run:
         (files leaked, or taken by another part of the application), the run stops (exit 2)
         rather than go round for ever."""
         now = time.monotonic()
-        if self._local_since is None:
-            self._local_since = now
-        elif now - self._local_since >= LOCAL_GIVE_UP and not self.stop.is_set():
+        if self._local_since is None or now - self._local_last > LOCAL_GAP:  # (tries held
+            self._local_since = now  # meanwhile, by a pause say: the count starts again)
+        self._local_last = now
+        if now - self._local_since >= LOCAL_GIVE_UP and not self.stop.is_set():
             self.stop.set(Halt("unreachable", None, self.config.redact(
                 f"{attempt.error}: every try for {LOCAL_GIVE_UP:g} s")))
 

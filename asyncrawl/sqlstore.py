@@ -559,9 +559,11 @@ class SqliteStore:
         if self._file < 0:
             try:
                 self._file = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # (the writer's connection has it open: deleted since)
+                pass
             except OSError:
                 return  # (the commit says what is wrong)
-        if os.fstat(self._file).st_nlink == 0:
+        if self._file < 0 or os.fstat(self._file).st_nlink == 0:
             self._dead = True
             raise StorageError(
                 "the state database was deleted while the run went on (its state directory "

@@ -1562,3 +1562,27 @@ def test_a_limit_on_open_files_the_system_will_not_raise_is_a_usage_error(
         cli_mod.enough_files(20_000, "--concurrency")
     assert e.value.key == "--concurrency"
     cli_mod.enough_files(100)  # (256 are enough: nothing asked)
+
+
+def test_a_signal_in_a_halt_s_grace_period_does_not_cut_its_alerts(
+        tmp_path: Path, mock_process: Any) -> None:
+    """A 402 halted the run; the operator's one Ctrl-C while the requests in flight finished
+    had set the second stop's flag, and the alerts, sent after, were cut short at once."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--balance", "5",
+                        "--latency", "1")
+    told = tmp_path / "told"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", [f"g{i}" for i in range(100)]),
+                       limits={"concurrency": 4, "rate": 4, "burst": 1},  # (a request a 0.25 s:
+                       alerts={"on_halt": f"sleep 0.2; echo $ASYNCRAWL_REASON > '{told}'"})
+    # the first 402 comes while 3 more are in flight, for up to 0.75 s: the grace period)
+    proc = popen_cli(tmp_path, "graced", "run", "-c", str(cfg), "--no-progress")
+    try:
+        wait_until(lambda: any(e.status == 402 for e in read_log(mock.log_path)), proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert told.read_text().strip() == "fatal", (tmp_path / "graced.err").read_text()
