@@ -84,6 +84,15 @@ _BAD_PLACE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM, 
                         errno.EISDIR, errno.ENAMETOOLONG})
 
 
+class SessionClosed(ConfigError):
+    """The application closed the session it gave the Crawler while the run went on: the run
+    stops, then raises this. ``sent``: a request of the try left (a redirect's) before it."""
+
+    def __init__(self, message: str, *, sent: bool = False) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
 class StorageError(AsyncrawlError):
     """The state directory cannot be written, fsynced or read. Names the path."""
 

@@ -47,7 +47,7 @@ from yarl import URL
 
 from . import http1
 from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
-from .errors import ConfigError
+from .errors import ConfigError, SessionClosed
 from .retry import parse_retry_after
 from .types import ErrorKind
 
@@ -65,15 +65,6 @@ class Outcome(enum.Enum):
     RETRY = "retry"
     SKIP = "skip"
     FATAL = "fatal"
-
-
-class SessionClosed(ConfigError):
-    """The application closed the session it gave the Crawler while the run went on: the run
-    stops, then raises this. ``sent``: a request of the try left (a redirect's) before it."""
-
-    def __init__(self, message: str, *, sent: bool = False) -> None:
-        super().__init__(message)
-        self.sent = sent
 
 
 @dataclass(frozen=True, slots=True)

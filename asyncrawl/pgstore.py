@@ -71,6 +71,7 @@ from typing import Any, TypeVar
 from .config import endpoint_of, is_url
 from .errors import ConfigError, StorageError, require_extra
 from .records import (
+    COUNTED,
     EXPORT_STATES,
     I_NOT_IN_DOUBT,
     NOT_IN_DOUBT,
@@ -991,7 +992,7 @@ class PgStore:
         sent: list[str] = []
         calls: list[tuple[str | None, str, str | None]] = []  # the intents: (id, day, key)
         outcomes: list[Record] = []
-        counted: dict[str, list[str]] = {"answered": [], "unusable": []}  # an ID once a call
+        counted: dict[str, list[str]] = {kind: [] for kind in COUNTED}  # an ID once a call
         ledger: Counter[tuple[str, str, str]] = Counter()  # (day, endpoint, what)
         keys: Counter[tuple[str, str, str]] = Counter()  # (day, key fingerprint, what)
         for rec in records:

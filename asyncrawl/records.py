@@ -53,6 +53,7 @@ EXPORT_STATES = {"ok": ("ok",), "failed": ("failed", "perm"), "unavailable": ("u
 EXPORT_OUTCOMES = ("ok", "failed", "unavailable", "in-doubt", "unanswered")
 EXPORT_FORMATS = ("jsonl", "csv", "ids", "parquet")
 SETTLED = frozenset({"ok", "unavailable"})  # states a rerun does not fetch again
+COUNTED = ("answered", "unusable")  # records that add one to the item's column of their name
 
 
 def settled(recheck_unavailable: bool) -> frozenset[str]:
@@ -143,21 +144,24 @@ class Record(_RecordFields):
         """The record that a request for ``id`` left and got no answer (a timeout after the
         connect, a dropped connection): it may have reached the server, possibly billed
         (possibly billed twice once the ID is fetched)."""
-        return tuple.__new__(cls, ("unanswered", id, None, None, False, None, 1, 0, 0,
-                                   time.time(), None, None, None))
+        return cls._of("unanswered", id)
 
     @classmethod
     def answered(cls, id: str) -> Record:
         """The record that a request for ``id`` got an answer that is not billable (an error
         status): the call is known answered, not billed, even where the ID ends in doubt."""
-        return tuple.__new__(cls, ("answered", id, None, None, False, None, 1, 0, 0,
-                                   time.time(), None, None, None))
+        return cls._of("answered", id)
 
     @classmethod
     def unusable(cls, id: str) -> Record:
         """The record that a request for ``id`` got a paid answer that cannot be used."""
-        return tuple.__new__(cls, ("unusable", id, None, None, False, None, 1, 0, 0,
-                                   time.time(), None, None, None))
+        return cls._of("unusable", id)
+
+    @classmethod
+    def _of(cls, kind: str, id: str) -> Record:
+        """A record of ``kind`` that says nothing but its ID and time (a request's fate)."""
+        return tuple.__new__(cls, (kind, id, None, None, False, None, 1, 0, 0, time.time(),
+                                   None, None, None))
 
     def unsent(self, earlier: bool = False) -> Record:
         """The record that this ``sent`` intent's request did not leave (``unsent``).

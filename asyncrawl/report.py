@@ -86,7 +86,9 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
         "state_dir": config.state_shown,
     }
     if snap.running is not None and config.state_url is None:
-        out["live"] = read_live(Path(config.state_dir))
+        live = out["live"] = read_live(Path(config.state_dir))
+        if live is not None and "ts" in live:  # (how old its figures are)
+            live["age_s"] = round(time.time() - float(live["ts"]), 1)  # type: ignore[arg-type]
     if is_url(config.state):  # a shared job: each working process's progress
         from .pgstore import PgStore
 
@@ -141,7 +143,7 @@ def status_text(s: dict[str, Any]) -> str:
             if live["paused_for"] > 0:
                 gov += f", paused {live['paused_for']:.0f}s (Retry-After)"
             gov += ", breaker OPEN (upstream down, probing)" if live["breaker_open"] else ", breaker closed"
-            age = time.time() - live.get("ts", time.time())
+            age = live.get("age_s", 0.0)
             if age >= STALE_LIVE:  # (written every second: a run frozen, or its loop blocked)
                 gov += f" (as of {age:,.0f} s ago: the run has not said more since)"
             lines.append(f"governor     {gov}")

@@ -651,7 +651,8 @@ class Run:
         every ID given up on as unavailable; only IDs' ``first`` tries count: a retry of an ID
         that failed before, in this run or an earlier one, is about that ID). Once anything
         else answered, the same errors are an outage, for the breaker, and the same answers
-        are about their IDs."""
+        are about their IDs. And a stop when this machine has found no file for a socket for
+        a minute (``_no_files``)."""
         if self.hooks.on_attempt is not None:
             try:  # (it observes only: what it raises is logged, never the run's end)
                 self.hooks.on_attempt(item, attempt.status, attempt.error)

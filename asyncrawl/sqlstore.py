@@ -71,6 +71,7 @@ from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
 from .lockfile import fsync_dir, lock_holder, lock_state_dir
 from .records import (
+    COUNTED,
     EXPORT_STATES,
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
@@ -134,8 +135,7 @@ UPDATE items SET answered = sends - paid - (sent_run IS NOT NULL)
 """}  # (5: an ID never cut off nor unanswered had an answer to each call but an open one)
 CHUNK = 900  # IDs per block read (``unsettled``)
 # the records that count something of an ID, and the statement that counts one
-_COUNTED = {kind: f"UPDATE items SET {kind} = {kind} + 1 WHERE id = ?"
-            for kind in ("answered", "unusable")}
+_COUNTED = {kind: f"UPDATE items SET {kind} = {kind} + 1 WHERE id = ?" for kind in COUNTED}
 PAGE_SIZE = 8192  # ~7 results of 1 KB a page: 4 KB pages hold 3 and waste a quarter
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the items_open index
 

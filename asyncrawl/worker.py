@@ -36,7 +36,8 @@ from collections.abc import Awaitable, Callable
 from typing import NamedTuple, Protocol
 
 from .config import Config, key_fingerprint
-from .fetch import Attempt, Fetcher, Outcome, Request, SessionClosed
+from .errors import SessionClosed
+from .fetch import Attempt, Fetcher, Outcome, Request
 from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .records import Commit, Record

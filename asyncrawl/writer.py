@@ -29,8 +29,8 @@ log = logging.getLogger("asyncrawl")
 # store has caught up (to half of it): what a crash can lose of what was answered stays within
 # ``concurrency`` plus this, however slow the store (SPEC §5), instead of growing with the time
 # a slow disk or a starved writing process falls behind (bench/README.md, stop 45).
-STALL_CHECK = 5.0  # seconds between two looks at whether the store answers (``_check_stall``)
 BACKLOG = 1024
+STALL_CHECK = 5.0  # seconds between two looks at whether the store answers (``_check_stall``)
 
 
 class _Reporting:
@@ -50,7 +50,8 @@ class _Reporting:
         self.backlog_limit = BACKLOG
         self._waiting: list[asyncio.Future[None]] = []  # ``caught_up`` callers
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
-        self._last_look = (0, 0)  # (commits, looks since they last moved): ``_check_stall``
+        self._commits_seen = 0  # (``_check_stall``: the commits at its last look, and how
+        self._still = 0  # many looks in a row have seen them not move while records waited)
         self.stall_hint = "a slow commit, a hung disk, or a database that holds its locks"
 
     def behind(self) -> bool:
@@ -85,16 +86,15 @@ class _Reporting:
         """Every ``STALL_CHECK`` seconds: say when the store has answered nothing for that long
         (twice in a row) while records wait for it, which stops the run (no request counts,
         and soon none starts) with no other sign; and when it answers again."""
-        commits, looks = self._last_look
-        stalled = looks >= 2
-        looks = looks + 1 if self.commits == commits and self.backlog else 0
-        self._last_look = (self.commits, looks)
-        if looks == 2:
+        seen, stalled = self._commits_seen, self._still >= 2
+        self._still = self._still + 1 if self.commits == seen and self.backlog else 0
+        self._commits_seen = self.commits
+        if self._still == 2:
             log.warning("the state store has not answered for %.0f s (%s): no request counts, "
                         "and no new one starts, until it does (a stop waits for it too; "
                         "`kill -9` of the run is safe: what is committed is kept)",
-                        STALL_CHECK * looks, self.stall_hint)
-        elif stalled and not looks and self.commits > commits and self.failed is None:
+                        STALL_CHECK * self._still, self.stall_hint)
+        elif stalled and not self._still and self.commits > seen and self.failed is None:
             log.warning("the state store answers again")
 
     def _count(self, records: list[Record]) -> None:

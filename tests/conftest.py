@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from asyncrawl import Config
+from asyncrawl import Config, Crawler
 from asyncrawl.records import Record
 from asyncrawl.store import open_store
 from asyncrawl.testing import MockAPI, MockProcess
@@ -155,6 +155,26 @@ def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:
         return db.execute(query, params).fetchall()
     finally:
         db.close()
+
+
+def answered_2xx(api: MockAPI, item: str) -> int:
+    """The paid (2xx) answers the mock gave ``item``."""
+    return sum(1 for e in api.log if e.event == "end" and e.id == item
+               and 200 <= (e.status or 0) < 300)
+
+
+async def stop_once_paid(crawler: Crawler, ids: list[str], api: MockAPI, item: str) -> None:
+    """Run ``crawler`` on ``ids`` until the mock has answered ``item`` 2xx, then stop it (as
+    SIGINT does) and wait for the run's end."""
+    import asyncio
+
+    run = asyncio.create_task(crawler.run(ids))
+    deadline = asyncio.get_running_loop().time() + 30
+    while answered_2xx(api, item) < 1:
+        assert asyncio.get_running_loop().time() < deadline and not run.done()
+        await asyncio.sleep(0.01)
+    crawler.stop()
+    await run
 
 
 def outcomes_of(state: Path) -> dict[str, str]:

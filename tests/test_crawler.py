@@ -33,7 +33,15 @@ from asyncrawl.progress import summary_text
 from asyncrawl.report import export, status, status_text
 from asyncrawl.testing import Fault, MockAPI, payload_for
 
-from .conftest import KEY, asyncrawl_log, db_rows, fast_config, outcomes_of
+from .conftest import (
+    KEY,
+    answered_2xx,
+    asyncrawl_log,
+    db_rows,
+    fast_config,
+    outcomes_of,
+    stop_once_paid,
+)
 
 
 def exported(config: Config, outcome: str = "ok") -> list[dict]:
@@ -815,20 +823,16 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_across_runs(
     unavailable IDs buys it once more."""
     faults = {"junk": Fault("invalid_json", times=1000)}
     async with MockAPI(api_key=KEY, faults=faults) as api:
-        def bought() -> int:
-            return sum(1 for e in api.log if e.event == "end" and e.status == 200
-                       and e.id == "junk")
-
         cfg = fast_config(api, state, second_pass=False)
         s = await Crawler(cfg).run(["a", "junk"])
-        assert (s.ok, s.failed, bought()) == (1, 1, 2)
+        assert (s.ok, s.failed, answered_2xx(api, "junk")) == (1, 1, 2)
         s = await Crawler(cfg).run(["a", "junk", "b"])  # (failed: tried again, was bought)
-        assert (s.ok, s.unavailable, bought()) == (2, 1, 2)
+        assert (s.ok, s.unavailable, answered_2xx(api, "junk")) == (2, 1, 2)
         assert "paid_retries" in exported(cfg, "unavailable")[0]["error"]
         s = await Crawler(dataclasses.replace(cfg, recheck_unavailable=True)).run(["junk"])
-        assert (s.unavailable, s.failed, bought()) == (0, 1, 3)  # (one more, then failed)
+        assert (s.unavailable, s.failed, answered_2xx(api, "junk")) == (0, 1, 3)  # (one more, then failed)
         s = await Crawler(cfg).run(["junk"])
-        assert (s.unavailable, bought()) == (1, 3)
+        assert (s.unavailable, answered_2xx(api, "junk")) == (1, 3)
 
 
 async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run(
@@ -837,22 +841,12 @@ async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run(
     its retry (no outcome yet) started the next run at 0 and was bought 1 + 2 times."""
     faults = {"junk": Fault("invalid_json", times=1000)}
     async with MockAPI(api_key=KEY, faults=faults) as api:
-        def bought() -> int:
-            return sum(1 for e in api.log if e.event == "end" and e.status == 200
-                       and e.id == "junk")
-
         crawler = Crawler(fast_config(api, state, backoff_base=60.0, backoff_max=60.0,
                                       jitter="none"))
-        run = asyncio.create_task(crawler.run(["junk"]))
-        deadline = asyncio.get_running_loop().time() + 30
-        while bought() < 1:
-            assert asyncio.get_running_loop().time() < deadline and not run.done()
-            await asyncio.sleep(0.01)
-        crawler.stop()
-        await run
+        await stop_once_paid(crawler, ["junk"], api, "junk")
         assert db_rows(state, "SELECT state, paid, unusable FROM items") == [(None, 1, 1)]
         s = await Crawler(fast_config(api, state)).run(["junk"])
-        assert (s.unavailable, bought()) == (1, 2)
+        assert (s.unavailable, answered_2xx(api, "junk")) == (1, 2)
 
 
 async def test_a_retryable_code_in_a_2xx_body_is_retried_as_its_status_is(state: Path) -> None:
@@ -1412,14 +1406,12 @@ async def test_a_failed_webhook_is_logged_without_its_url(
 async def test_status_says_how_old_a_running_job_s_live_figures_are(api: MockAPI,
                                                                     state: Path) -> None:
     """A run frozen (SIGSTOP) or with its loop blocked: its last figures were shown as now."""
-    import time
-
     cfg = fast_config(api, state)
     await Crawler(cfg).run(["a"])
     s = status(cfg)
     live = {"effective_rate": 10.0, "configured_rate": 10.0, "rate": 9.5, "pass_no": 1,
             "paused_for": 0.0, "breaker_open": False}
-    s.update(running=123, in_flight=0, live={**live, "ts": time.time()})
+    s.update(running=123, in_flight=0, live={**live, "age_s": 0.4})
     assert "as of" not in status_text(s)
-    s["live"] = {**live, "ts": time.time() - 60}
+    s["live"] = {**live, "age_s": 60.0}
     assert "sending 9.5 req/s, pass 1, breaker closed (as of 60 s ago" in status_text(s)

@@ -27,7 +27,7 @@ from asyncrawl.records import Counts
 from asyncrawl.store import read_store
 from asyncrawl.testing import Fault, MockAPI, flaky_faults, most_in_window, no_faults
 
-from .conftest import KEY, cli, fast_config, write_config, write_ids
+from .conftest import KEY, answered_2xx, cli, fast_config, stop_once_paid, write_config, write_ids
 
 PG = os.environ.get("ASYNCRAWL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 ENV = {"ASYNCRAWL_TEST_KEY": KEY}
@@ -1459,16 +1459,12 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_in_a_job(job: s
 
     faults = {"junk": Fault("invalid_json", times=1000)}
     async with MockAPI(api_key=KEY, faults=faults) as api:
-        def bought() -> int:
-            return sum(1 for e in api.log if e.event == "end" and e.status == 200
-                       and e.id == "junk")
-
         cfg = fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0)
         s = await Crawler(cfg).run(["a", "junk"])
-        assert (s.ok, s.unavailable, bought()) == (1, 1, 2)
+        assert (s.ok, s.unavailable, answered_2xx(api, "junk")) == (1, 1, 2)
         s = await Crawler(fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0,
                                       recheck_unavailable=True)).run(["junk"])
-        assert (s.unavailable, bought()) == (1, 3)  # (one more: the recheck asked)
+        assert (s.unavailable, answered_2xx(api, "junk")) == (1, 3)  # (one more: the recheck asked)
 
 
 async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run_of_a_job(
@@ -1478,24 +1474,14 @@ async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run_of_
 
     faults = {"junk": Fault("invalid_json", times=1000)}
     async with MockAPI(api_key=KEY, faults=faults) as api:
-        def bought() -> int:
-            return sum(1 for e in api.log if e.event == "end" and e.status == 200
-                       and e.id == "junk")
-
         crawler = Crawler(fast_config(api, Path("unused"), state_url=PG, job=job, lease=2.0,
                                       backoff_base=60.0, backoff_max=60.0, jitter="none"))
-        run = asyncio.create_task(crawler.run(["junk"]))
-        deadline = asyncio.get_running_loop().time() + 30
-        while bought() < 1:
-            assert asyncio.get_running_loop().time() < deadline and not run.done()
-            await asyncio.sleep(0.01)
-        crawler.stop()
-        await run
+        await stop_once_paid(crawler, ["junk"], api, "junk")
         assert pg_rows("SELECT state, unusable FROM asyncrawl_items WHERE job = %s",
                        job) == [(None, 1)]
         s = await Crawler(fast_config(api, Path("unused"), state_url=PG, job=job,
                                       lease=2.0)).run(["junk"])
-        assert (s.unavailable, bought()) == (1, 2)
+        assert (s.unavailable, answered_2xx(api, "junk")) == (1, 2)
 
 
 def test_a_job_of_the_release_before_gets_the_calls_answered_counted() -> None:
