@@ -157,6 +157,11 @@ def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:
         db.close()
 
 
+def in_flight(api: MockAPI) -> int:
+    """Requests the mock has begun and not answered yet."""
+    return sum(1 if e.event == "start" else -1 for e in api.log)
+
+
 def answered_2xx(api: MockAPI, item: str) -> int:
     """The paid (2xx) answers the mock gave ``item``."""
     return sum(1 for e in api.log if e.event == "end" and e.id == item

@@ -39,6 +39,7 @@ from .conftest import (
     asyncrawl_log,
     db_rows,
     fast_config,
+    in_flight,
     outcomes_of,
     stop_once_paid,
 )
@@ -1363,9 +1364,9 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_not_every_error_
         crawler = Crawler(cfg)
         run = asyncio.create_task(crawler.run(list(faults)))
         deadline = asyncio.get_running_loop().time() + 30
-        while sum(api.counts().values()) < 40:  # (answers: ~5 an ID)
-            assert asyncio.get_running_loop().time() < deadline and not run.done()
-            await asyncio.sleep(0.01)
+        while sum(api.counts().values()) < 40 or not in_flight(api):  # (~5 answers an ID;
+            assert asyncio.get_running_loop().time() < deadline and not run.done()  # a wave
+            await asyncio.sleep(0.005)  # out: the 8 answered together, none is cut off)
         crawler.stop()
         crawler.stop()  # (the grace cut short: the requests in flight are cut off)
         s = await run

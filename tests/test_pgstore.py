@@ -27,7 +27,7 @@ from asyncrawl.records import Counts
 from asyncrawl.store import read_store
 from asyncrawl.testing import Fault, MockAPI, flaky_faults, most_in_window, no_faults
 
-from .conftest import KEY, answered_2xx, cli, fast_config, stop_once_paid, write_config, write_ids
+from .conftest import KEY, answered_2xx, cli, fast_config, in_flight, stop_once_paid, write_config, write_ids
 
 PG = os.environ.get("ASYNCRAWL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 ENV = {"ASYNCRAWL_TEST_KEY": KEY}
@@ -1439,9 +1439,9 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_in_a_job(job: st
         crawler = Crawler(cfg)
         run = asyncio.create_task(crawler.run(list(faults)))
         deadline = asyncio.get_running_loop().time() + 30
-        while sum(api.counts().values()) < 40:
-            assert asyncio.get_running_loop().time() < deadline and not run.done()
-            await asyncio.sleep(0.01)
+        while sum(api.counts().values()) < 40 or not in_flight(api):  # (~5 answers an ID;
+            assert asyncio.get_running_loop().time() < deadline and not run.done()  # a wave
+            await asyncio.sleep(0.005)  # out: the 8 answered together, none is cut off)
         crawler.stop()
         crawler.stop()
         await run
