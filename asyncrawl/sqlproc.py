@@ -60,7 +60,10 @@ PIPE_BYTES = 1 << 20  # the pipes' size, where the system allows it (Linux)
 MERGE = 1024  # batches queued in the pipe that the child applies in one transaction, at most
 # (the writer's backlog gate, ``writer.BACKLOG``, bounds what they hold: ~1,024 records
 # and a few for each request in flight)
-LOGGED = frozenset({"sent", "run"})  # the kinds of record durable once in the intent log
+# the kinds of record durable once in the intent log: intents (requests wait for them), the
+# run (its intents belong to it), and paid answers that could not be used (rare; lost with a
+# crash, a rerun would buy their IDs once more than paid_retries allows)
+LOGGED = frozenset({"sent", "run", "unusable"})
 LOG, APPLY = "logged", "applied"  # the child's two answers: (what, number, error)
 _LEN = struct.Struct("<Q")
 Answer = tuple[str, int, "str | None"]
@@ -133,7 +136,7 @@ def _reads(fd: int) -> Iterator[list[Any]]:
 
 class IntentLog:
     """``intents.log``: one JSON line ``[batch number, id, ts, key]`` per ``sent`` intent, and
-    ``[batch number, record]`` (``Record.encode``'s form) for a ``run`` record, appended
+    ``[batch number, record]`` (``Record.encode``'s form) for the other logged kinds, appended
     (``O_DSYNC``: on disk when the write returns) before they count as durable."""
 
     def __init__(self, state_dir: Path) -> None:

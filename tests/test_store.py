@@ -413,6 +413,34 @@ async def test_a_run_only_the_log_holds_is_applied_as_a_run_of_its_own(tmp_path:
     assert db_rows(state, "SELECT key, sent FROM key_ledger") == [("k1", 1)]
 
 
+async def test_an_unusable_paid_answer_is_durable_with_the_intents(tmp_path: Path) -> None:
+    """A paid answer that could not be used is logged like an intent: in a batch the writing
+    process logged and did not apply (a kill -9), it was lost, and a rerun bought the ID once
+    more than paid_retries allows."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    w = ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=lambda e: None)
+    task = asyncio.create_task(w.run())
+    blocker = sqlite3.connect(state / DB, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # (nothing is applied meanwhile: only logged)
+    try:
+        assert await asyncio.wait_for(w.commit(Record("run", ts=TS, extra={"job": JOB})),
+                                      30) is Commit.DURABLE
+        assert await asyncio.wait_for(w.commit(Record.sent("x")), 30) is Commit.DURABLE
+        w.put(Record.unusable("x"))
+        assert await asyncio.wait_for(w.commit(Record.sent("y")), 30) is Commit.DURABLE
+        assert [(rec.kind, rec.id) for _, rec in pending_records(state, 0)][-3:] == [
+            ("sent", "x"), ("unusable", "x"), ("sent", "y")]
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    w.close()
+    await task
+    await store.close()
+    assert db_rows(state, "SELECT id, unusable FROM items ORDER BY id") == [("x", 1), ("y", 0)]
+
+
 async def test_intents_count_once_logged_and_the_rest_once_applied(tmp_path: Path) -> None:
     """The writing process answers for a batch's ``sent`` intents and ``run`` record once they
     are in ``intents.log``, before it has applied the batch (here it cannot: another
