@@ -49,8 +49,11 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
     ``COMMAND_TIMEOUT``, the webhook ``WEBHOOK_TIMEOUT``), both cut short by ``hurry`` (set by a
     signal while they are sent: the operator wants out now)."""
     facts = alert_facts(config, halt, summary, left=left)
-    sends = ([_command(config, config.on_halt, facts)] if config.on_halt else []) + (
-        [_webhook(config, config.webhook, facts, session)] if config.webhook else [])
+    sends = []
+    if config.on_halt:
+        sends.append(_command(config, config.on_halt, facts))
+    if config.webhook:
+        sends.append(_webhook(config, config.webhook, facts, session))
     if not sends:
         return
     sending = asyncio.gather(*sends, return_exceptions=True)

@@ -126,7 +126,7 @@ class Attempt(NamedTuple):
         """A paid (2xx) answer that cannot be used: its body did not parse, did not come whole
         or was too large. Bought again at most ``paid_retries`` times, in all runs; an answer
         whose body or a hook says to try again is retried as its status would be."""
-        return self.billable and self.outcome is Outcome.RETRY and self.kind is not ErrorKind.HTTP
+        return self.outcome is Outcome.RETRY and self.billable and self.kind is not ErrorKind.HTTP
 
 
 Classifier = Callable[[Response], "Outcome | str | None"]

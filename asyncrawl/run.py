@@ -460,9 +460,8 @@ class Run:
                         earlier.append((item, state, bought))  # in pass 1; or cut off
                     todo.append(item)
                 if earlier:
-                    done = await self._with_history(earlier, store=job.store, writer=writer,
-                                                    first=pass_no == 1)
-                    todo = [item for item in todo if item not in done]
+                    todo = await self._with_history(todo, earlier, store=job.store,
+                                                    writer=writer, first=pass_no == 1)
                 if todo:
                     await job.heartbeat.at_work()  # (re-joins first if it was idle)
                     yield todo, -1, None
@@ -486,19 +485,20 @@ class Run:
                 earlier.append((item, was, bought))
             todo.append(item)
         if earlier:
-            now = await self._with_history(earlier, store=store, writer=writer, first=True)
-            todo = [item for item in todo if item not in now]
+            todo = await self._with_history(todo, earlier, store=store, writer=writer,
+                                            first=True)
         return todo, len(fresh)
 
-    async def _with_history(self, items: list[tuple[str, str | None, int]], *, store: Store,
-                            writer: AnyWriter, first: bool) -> set[str]:
-        """``items`` (id, state, its unusable paid answers), failed before (in an earlier run,
-        or a shared job's pass 1) or cut off with paid answers that could not be used, go
-        into the pass with their history: suspect in pass 1 (``first``) if they failed (their
-        failures say nothing of an outage), and their unusable paid answers, which
-        ``paid_retries`` counts across runs. Those already bought 1 + ``paid_retries`` times
-        are settled unavailable without a call, as pass 2 settles them (unless a recheck of
-        unavailable IDs asks for one more try in pass 1); they are returned."""
+    async def _with_history(self, todo: list[str], items: list[tuple[str, str | None, int]], *,
+                            store: Store, writer: AnyWriter, first: bool) -> list[str]:
+        """``items`` (id, state, its unusable paid answers), those of ``todo`` failed before
+        (in an earlier run, or a shared job's pass 1) or cut off with paid answers that could
+        not be used, go into the pass with their history: suspect in pass 1 (``first``) if
+        they failed (their failures say nothing of an outage), and their unusable paid
+        answers, which ``paid_retries`` counts across runs. Those already bought 1 +
+        ``paid_retries`` times are settled unavailable without a call, as pass 2 settles them
+        (unless a recheck of unavailable IDs asks for one more try in pass 1); ``todo`` less
+        those is returned."""
         cap, recheck = self.config.paid_retries, first and self.config.recheck_unavailable
         over = [item for item, _, bought in items if bought > cap and not recheck]
         details = await store.unusable(over) if over else {}
@@ -509,7 +509,7 @@ class Run:
             else:
                 self.history[item] = Item(item, suspect=first and state is not None,
                                           unusable=bought)
-        return set(details)
+        return [item for item in todo if item not in details] if details else todo
 
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
                                writer: AnyWriter) -> AsyncIterator[Chunk]:

@@ -157,6 +157,23 @@ def db_rows(state: Path, query: str, *params: Any) -> list[tuple[Any, ...]]:
         db.close()
 
 
+async def cut_off_after(crawler: Crawler, ids: list[str], api: MockAPI, answers: int) -> Any:
+    """Run ``crawler`` on ``ids`` until the mock has given ``answers`` answers and requests are
+    in flight (it answers a wave of them at once: a stop just after one cuts nothing off),
+    then stop it twice (the grace period cut short: those requests are cut off); the run's
+    summary."""
+    import asyncio
+
+    run = asyncio.create_task(crawler.run(ids))
+    deadline = asyncio.get_running_loop().time() + 30
+    while sum(api.counts().values()) < answers or not in_flight(api):
+        assert asyncio.get_running_loop().time() < deadline and not run.done()
+        await asyncio.sleep(0.005)
+    crawler.stop()
+    crawler.stop()
+    return await run
+
+
 def in_flight(api: MockAPI) -> int:
     """Requests the mock has begun and not answered yet."""
     return sum(1 if e.event == "start" else -1 for e in api.log)

@@ -95,6 +95,17 @@ def popen_cli(tmp_path: Path, name: str, *args: str, env: dict[str, str] = ENV,
         err.close()
 
 
+@contextmanager
+def reaped(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc``, killed at the end if it still runs (a failed assertion leaves no run behind)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def wait_until(pred: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -1464,14 +1475,10 @@ def test_a_state_directory_removed_mid_run_stops_it_with_exit_5(tmp_path: Path,
     cfg = write_config(tmp_path / "c.toml", mock.item_url, state, ids,
                        limits={"concurrency": 8, "rate": 2000})
     proc = popen_cli(tmp_path, "removed", "run", "-c", str(cfg), "--no-progress")
-    try:
+    with reaped(proc):
         wait_until(lambda: ok_count(state) >= 100, proc)
         shutil.rmtree(state)
         assert proc.wait(60) == 5
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     err = (tmp_path / "removed.err").read_text()
     assert "was deleted while the run went on" in err, err
     assert len(read_log(mock.log_path)) // 2 < 2000  # (it stopped: not every ID bought)
@@ -1479,14 +1486,10 @@ def test_a_state_directory_removed_mid_run_stops_it_with_exit_5(tmp_path: Path,
     # a state directory moved mid-run is the same state: the run goes on into it
     moved = tmp_path / "moved"
     proc = popen_cli(tmp_path, "moved", "run", "-c", str(cfg), "--no-progress")
-    try:
+    with reaped(proc):
         wait_until(lambda: ok_count(state) >= 100, proc)
         state.rename(moved)
         assert proc.wait(120) == 0, (tmp_path / "moved.err").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert collections.Counter(outcomes_of(moved).values()) == {"ok": 3000}
 
 
@@ -1518,17 +1521,13 @@ def test_a_hung_on_halt_command_is_cut_short_by_a_second_signal_with_what_it_sta
                        write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(100)]),
                        alerts={"on_halt": f"sleep 100 & echo $! > '{pids}'; wait"})
     proc = popen_cli(tmp_path, "alerting", "run", "-c", str(cfg), "--no-progress")
-    try:
+    with reaped(proc):
         wait_until(lambda: pids.exists() and pids.read_text().strip().isdigit(), proc)
         child = int(pids.read_text())
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)  # (the run has halted: one signal is a second stop)
         assert proc.wait(20) == 3
         assert time.monotonic() - t0 < 10
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     err = (tmp_path / "alerting.err").read_text()
     assert "alerts were cut short" in err, err
     deadline = time.monotonic() + 10
@@ -1577,12 +1576,8 @@ def test_a_signal_in_a_halt_s_grace_period_does_not_cut_its_alerts(
                        alerts={"on_halt": f"sleep 0.2; echo $ASYNCRAWL_REASON > '{told}'"})
     # the first 402 comes while 3 more are in flight, for up to 0.75 s: the grace period)
     proc = popen_cli(tmp_path, "graced", "run", "-c", str(cfg), "--no-progress")
-    try:
+    with reaped(proc):
         wait_until(lambda: any(e.status == 402 for e in read_log(mock.log_path)), proc)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 3
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert told.read_text().strip() == "fatal", (tmp_path / "graced.err").read_text()

@@ -37,9 +37,9 @@ from .conftest import (
     KEY,
     answered_2xx,
     asyncrawl_log,
+    cut_off_after,
     db_rows,
     fast_config,
-    in_flight,
     outcomes_of,
     stop_once_paid,
 )
@@ -1361,15 +1361,7 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_not_every_error_
     async with MockAPI(api_key=KEY, faults=faults, latency=0.1) as api:
         cfg = fast_config(api, state, max_tries=1000, backoff_base=0.001, backoff_max=0.002,
                           grace=0.01)
-        crawler = Crawler(cfg)
-        run = asyncio.create_task(crawler.run(list(faults)))
-        deadline = asyncio.get_running_loop().time() + 30
-        while sum(api.counts().values()) < 40 or not in_flight(api):  # (~5 answers an ID;
-            assert asyncio.get_running_loop().time() < deadline and not run.done()  # a wave
-            await asyncio.sleep(0.005)  # out: the 8 answered together, none is cut off)
-        crawler.stop()
-        crawler.stop()  # (the grace cut short: the requests in flight are cut off)
-        s = await run
+        s = await cut_off_after(Crawler(cfg), list(faults), api, 40)  # (~5 answers an ID)
     assert s.halt is not None and s.halt.reason == "signal"
     st = status(cfg)
     cut = len(exported(cfg, "in-doubt"))

@@ -27,7 +27,16 @@ from asyncrawl.records import Counts
 from asyncrawl.store import read_store
 from asyncrawl.testing import Fault, MockAPI, flaky_faults, most_in_window, no_faults
 
-from .conftest import KEY, answered_2xx, cli, fast_config, in_flight, stop_once_paid, write_config, write_ids
+from .conftest import (
+    KEY,
+    answered_2xx,
+    cli,
+    cut_off_after,
+    fast_config,
+    stop_once_paid,
+    write_config,
+    write_ids,
+)
 
 PG = os.environ.get("ASYNCRAWL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 ENV = {"ASYNCRAWL_TEST_KEY": KEY}
@@ -1436,15 +1445,7 @@ async def test_the_calls_with_no_answer_known_are_those_cut_off_in_a_job(job: st
     async with MockAPI(api_key=KEY, faults=faults, latency=0.1) as api:
         cfg = fast_config(api, Path("unused"), state_url=PG, job=job, max_tries=1000,
                           backoff_base=0.001, backoff_max=0.002, grace=0.01)
-        crawler = Crawler(cfg)
-        run = asyncio.create_task(crawler.run(list(faults)))
-        deadline = asyncio.get_running_loop().time() + 30
-        while sum(api.counts().values()) < 40 or not in_flight(api):  # (~5 answers an ID;
-            assert asyncio.get_running_loop().time() < deadline and not run.done()  # a wave
-            await asyncio.sleep(0.005)  # out: the 8 answered together, none is cut off)
-        crawler.stop()
-        crawler.stop()
-        await run
+        await cut_off_after(Crawler(cfg), list(faults), api, 40)
     snap = read_store(PG, job=job).snapshot()
     cut = len(list(read_store(PG, job=job).in_doubt()))
     assert cut >= 1 and snap.in_doubt == cut and snap.sent >= 40
