@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import logging
@@ -21,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from ._version import __version__
 from .config import MAX_CONCURRENCY, MAX_NUMBER, UNUSED_URL, Config, check_job, expand_env, is_url
@@ -29,6 +28,9 @@ from .errors import AsyncrawlError, ConfigError, InputError, StorageError
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, settled
 from .types import Progress, Summary
+
+if TYPE_CHECKING:
+    from .crawler import Crawler
 
 log = logging.getLogger("asyncrawl")
 T = TypeVar("T")
@@ -431,8 +433,17 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
     crawler = Crawler(config, on_progress=show, progress_every=every, total=total,
                       on_result=on_result, on_failure=errors.result, on_attempt=on_attempt)
     loop = asyncio.get_running_loop()
+    signals: list[int] = []
+    leaving: list[asyncio.Task[None]] = []
+
+    def on_signal(signum: int) -> None:
+        signals.append(signum)
+        crawler.stop("signal", signum=signum)
+        if len(signals) == 2:  # (cut short: a store that answers nothing is not waited for)
+            leaving.append(loop.create_task(_leave_a_stalled_store(crawler, signals[0])))
+
     for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, functools.partial(crawler.stop, "signal", signum=sig))
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         async with contextlib.AsyncExitStack() as stack:
             if metrics is not None and metrics_at is not None:
@@ -445,6 +456,9 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        for task in leaving:
+            task.cancel()
+        await asyncio.gather(*leaving, return_exceptions=True)
         for h in consoles:
             h.live = None
         if live is not None:
@@ -452,6 +466,29 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
         drain_errors()  # the last interval's errors, before the summary and the halt line
     return summary, errors.top(3)
 
+
+async def _leave_a_stalled_store(crawler: Crawler, signum: int) -> None:
+    """After a second signal: once the state store is known to answer nothing
+    (``Progress.store_stalled``: ~10 s with records waiting), exit at once instead of waiting
+    for it for ever, as ``kill -9`` would and with the same effect (what it committed is
+    kept), but saying so and with the first signal's exit code."""
+    import asyncio
+
+    while not crawler.progress().store_stalled:
+        await asyncio.sleep(STALL_LOOK)
+    log.error("the state store does not answer (a hung disk, a database holding its locks): "
+              "exiting without waiting for it, as the second signal asks; what it committed is "
+              "kept, and the next run fetches again what it had not committed")
+    for handler in (*log.handlers, *logging.getLogger().handlers):
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(128 + signum)  # (a clean exit would wait for the store's thread or process)
+
+
+STALL_LOOK = 0.5  # seconds between two looks, after a second signal, at whether the store stalled
 
 # SIGHUP: a closed terminal or SSH session stops the job like SIGTERM (summary, halt record,
 # exit 129), instead of killing it mid-write with nothing said.

@@ -61,6 +61,7 @@ class Gauges:
     effective_rate: float
     breaker_open: bool
     cooling_down: bool
+    store_stalled: bool = False
 
 
 class Meter:
@@ -124,7 +125,8 @@ class Meter:
             requests=requests, in_flight=g.in_flight, parked=g.parked,
             rate=self._rate(now, requests), paused_for=g.paused_for, elapsed=now - self.started,
             eta=eta, cooling_down=g.cooling_down, effective_rate=g.effective_rate,
-            configured_rate=self.configured_rate, breaker_open=g.breaker_open)
+            configured_rate=self.configured_rate, breaker_open=g.breaker_open,
+            store_stalled=g.store_stalled)
 
 
 async def tick(progress: Callable[[], Progress], state_dir: Path | None,

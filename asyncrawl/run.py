@@ -96,6 +96,7 @@ class Run:
         # nothing about the upstream now), or already sold unusable answers (pass 2)
         self.history: dict[str, Item] = {}
         self._workers: Worker | None = None
+        self._writer: AnyWriter | None = None  # (``execute``'s: ``progress`` says if it stalled)
         self.resumed = False  # read an unchanged IDs file on from the state's frontier
         self._answered = False
         self._refusals = collections.Counter[int]()
@@ -188,7 +189,8 @@ class Run:
             in_flight=w.in_flight if w else 0, parked=len(w.parking) if w else 0,
             paused_for=g.paused_for if g else 0.0,
             effective_rate=g.effective_rate if g else self.config.rate,
-            breaker_open=g.breaker_open if g else False, cooling_down=self.cooling))
+            breaker_open=g.breaker_open if g else False, cooling_down=self.cooling,
+            store_stalled=self._writer is not None and self._writer.stalled))
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -210,6 +212,7 @@ class Run:
         writer = (Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
                   if proc is None else
                   ProcessWriter(proc, on_commit=self._on_commit, on_error=self._on_storage_error))
+        self._writer = writer
         writer_task = asyncio.create_task(writer.run(), name="asyncrawl-writer")
         state_dir = None if shared else Path(cfg.state_dir)  # live.json, next to the state
         ticker = asyncio.create_task(self._contained(

@@ -84,6 +84,9 @@ class Progress:
     effective_rate: float = 0.0  # the governor's current rate limit (req/s)
     configured_rate: float = 0.0
     breaker_open: bool = False
+    # the state store has answered nothing for ~10 s while records wait for it (a hung disk, a
+    # database holding its locks): no request counts, and none starts, until it answers
+    store_stalled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,12 @@ class _Reporting:
         self._still = 0  # many looks in a row have seen them not move while records waited)
         self.stall_hint = "a slow commit, a hung disk, or a database that holds its locks"
 
+    @property
+    def stalled(self) -> bool:
+        """Whether the store has answered nothing while records waited for it, two looks of
+        ``_check_stall`` in a row (``STALL_CHECK`` s apart): what it warns of."""
+        return self._still >= 2
+
     def behind(self) -> bool:
         """Whether the store is so far behind that no new request should start. Never once
         the writer has failed: ``caught_up`` would not wait then, and a worker that asked
@@ -91,8 +97,9 @@ class _Reporting:
         self._commits_seen = self.commits
         if self._still == 2:
             log.warning("the state store has not answered for %.0f s (%s): no request counts, "
-                        "and no new one starts, until it does (a stop waits for it too; "
-                        "`kill -9` of the run is safe: what is committed is kept)",
+                        "and no new one starts, until it does (a stop waits for it too, but a "
+                        "second signal to `asyncrawl run` ends it; `kill -9` of the run is "
+                        "safe: what is committed is kept)",
                         STALL_CHECK * self._still, self.stall_hint)
         elif stalled and not self._still and self.commits > seen and self.failed is None:
             log.warning("the state store answers again")

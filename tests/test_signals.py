@@ -28,6 +28,7 @@ from .test_cli import (
     ids_of,
     jsonl,
     popen_cli,
+    reaped,
     starts,
     status_json,
     wait_until,
@@ -243,3 +244,39 @@ def test_signal_during_pass_2(tmp_path: Path, mock_process: Any, sig: signal.Sig
     unavailable = jsonl(export(cfg, "--outcome", "unavailable"))
     assert {o["id"]: o["status"] for o in unavailable} == dict.fromkeys(gone, 500)
     assert sorted(export(cfg, "--format", "ids").splitlines()) == sorted(good)
+
+
+def test_a_second_signal_ends_a_run_whose_store_answers_nothing(
+        tmp_path: Path, mock_process: Any) -> None:
+    """The state's writing process stopped (SIGSTOP; a hung disk does the same): a signal's
+    stop waited for it for ever, and so did a second signal's; only ``kill -9`` ended the run.
+    The second signal now ends it once the store is known stalled (~10 s), saying so, with the
+    first signal's exit code; what the store had committed is kept and not fetched again."""
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.2")
+    ids = [f"h{i:04d}" for i in range(200)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state, write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 4}, run={"grace": 2})
+    proc = popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")
+    with reaped(proc):
+        wait_until(lambda: sum(starts(read_log(mock.log_path)).values()) >= 8, proc)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert children, "no writing process"
+        for pid in children:
+            os.kill(int(pid), signal.SIGSTOP)
+        try:
+            rc, took, _ = signal_and_wait(proc, signal.SIGINT, signal.SIGINT, timeout=45)
+        finally:
+            for pid in children:
+                os.kill(int(pid), signal.SIGCONT)
+    err = (tmp_path / "run.err").read_text()
+    assert rc == 130, err
+    assert "the state store does not answer" in err and "Traceback" not in err
+    assert took < 30
+    gone = time.monotonic() + 30  # (the writing process ends at its pipe's end)
+    while {int(pid) for pid in children} & live_processes():
+        assert time.monotonic() < gone, "the writing process is left"
+        time.sleep(0.01)
+    durable = durable_ok_ids(state)
+    log = rerun_fetches_nothing_that_succeeded(cfg, mock, durable)
+    assert set(answers(log)) == set(ids)
