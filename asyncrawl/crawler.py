@@ -21,7 +21,14 @@ import aiohttp
 from . import http1
 from .config import Config, check_job
 from .errors import ConfigError
-from .fetch import RESEND_WARNING, Classifier, Request, new_session, resends_silently
+from .fetch import (
+    RESEND_WARNING,
+    Classifier,
+    Request,
+    connection_limit,
+    new_session,
+    resends_silently,
+)
 from .run import Hooks, Run
 from .source import IdsFile, id_chunks, prescan_file
 from .store import open_store
@@ -119,6 +126,12 @@ class Crawler:
         self._session = session
         if session is not None and resends_silently(session):
             log.warning("%s", RESEND_WARNING)
+        narrow = None if session is None else connection_limit(session)
+        if narrow is not None and narrow < self.config.concurrency:
+            log.warning("the session's connector opens at most %d connections to a host, fewer "
+                        "than concurrency = %d: the requests beyond wait for one, their timeout "
+                        "running (build the session with asyncrawl.new_session(config), or give "
+                        "its connector limit >= concurrency)", narrow, self.config.concurrency)
         self._own_session: aiohttp.ClientSession | None = None
         self._run: Run | None = None  # the current (or last) run
         self._live: dict[Run, asyncio.Future[None]] = {}  # runs under way: when each ends

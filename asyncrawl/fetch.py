@@ -755,6 +755,14 @@ def new_session(config: Config) -> aiohttp.ClientSession:
     return session
 
 
+def connection_limit(session: aiohttp.ClientSession) -> int | None:
+    """The most connections ``session`` opens to one host at once (``None``: no limit)."""
+    connector = session.connector
+    limits = [n for n in (getattr(connector, "limit", 0), getattr(connector, "limit_per_host", 0))
+              if n]
+    return min(limits) if limits else None
+
+
 def resends_silently(session: aiohttp.ClientSession) -> bool:
     """Whether ``session`` would resend a request once on a dropped connection (see
     :func:`new_session`)."""

@@ -798,6 +798,30 @@ async def test_an_injected_session_that_resends_is_warned_about(
         await ours.close()
 
 
+async def test_an_injected_session_with_fewer_connections_than_concurrency_is_warned_about(
+        api: MockAPI, state: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp's default connector opens 100 connections: at concurrency 200 the other 100
+    requests waited for one, their timeout running, and timed out as if the API were slow."""
+    from asyncrawl import new_session
+
+    cfg = dataclasses.replace(fast_config(api, state), concurrency=8)
+    for connector, warned in ((aiohttp.TCPConnector(limit=2), "at most 2 connections"),
+                              (aiohttp.TCPConnector(limit=0, limit_per_host=4), "at most 4"),
+                              (aiohttp.TCPConnector(limit=0), None)):
+        caplog.clear()
+        async with aiohttp.ClientSession(connector=connector) as session:
+            with caplog.at_level("WARNING", logger="asyncrawl"):
+                Crawler(cfg, session=session)
+        assert (warned in caplog.text) if warned else "at most" not in caplog.text
+    ours = new_session(cfg)
+    try:
+        with caplog.at_level("WARNING", logger="asyncrawl"):
+            Crawler(cfg, session=ours)
+        assert "at most" not in caplog.text
+    finally:
+        await ours.close()
+
+
 # -- a paid answer is not bought again and again ------------------------------------------------
 
 
