@@ -227,6 +227,8 @@ class _Connection(asyncio.Protocol):
         except Exception as e:  # the parser's (aiohttp's ``BadHttpMessage`` family)
             if self._whole():  # bytes that are no answer after one that is whole: it is kept,
                 return         # the connection is not
+            if head_before and not self._head_bytes and self._apart(data):
+                return
             if isinstance(e, LineTooLong):
                 why = f"a header over {MAX_FIELD} bytes (or the status line): not read"
             else:
@@ -349,8 +351,7 @@ class _Connection(asyncio.Protocol):
         """Whether the answer was whole before the parser failed on what followed it (a 204 or
         a 304 with a body, bytes beyond ``Content-Length``): then it resolves, and the
         connection is not used again. (Where its head came in the same read as what broke
-        the parser, the parser never handed it over: that answer is lost, as with aiohttp's
-        client.)"""
+        the parser, the parser never handed it over: ``_apart``.)"""
         if self.waiter is None or self._payload is None or not self._payload.is_eof():
             return False
         self._keep_alive = False
@@ -360,6 +361,28 @@ class _Connection(asyncio.Protocol):
             self._fail(e)
         return True
 
+    def _apart(self, data: bytes) -> bool:
+        """The parser failed on the answer's first read before it handed its head over, and
+        that read holds a whole head and more: the head is parsed again by itself, with a new
+        parser, then the rest, so that a whole answer followed by bytes that are none (a
+        ``Content-Length`` counted in characters, not bytes) is kept (``_whole``), as it is
+        when those bytes come in a read of their own. Else the paid answer was lost: no
+        status, taken for a call with no answer, and bought again past ``paid_retries``."""
+        end = data.find(b"\r\n\r\n") + 4
+        if not 4 <= end < len(data):
+            return False
+        self.parser = self._parser()
+        self.data_received(data[:end])
+        if self.waiter is not None:
+            self.data_received(data[end:])
+        return True
+
+    def _parser(self) -> Any:
+        return HttpResponseParser(
+            self,  # type: ignore[arg-type]  # (it calls only what a _Connection has)
+            self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
+            read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``Inflate``)
+
     # -- one exchange --------------------------------------------------------------------------
 
     def send(self, payload: bytes, limit: int, deadline: float,
@@ -368,10 +391,7 @@ class _Connection(asyncio.Protocol):
         self.waiter = waiter = self.loop.create_future()
         # a parser for each answer: what the last one holds (a stray head's start) is not read
         # as the start of this one
-        self.parser = HttpResponseParser(
-            self,  # type: ignore[arg-type]  # (it calls only what a _Connection has)
-            self.loop, _STREAM_LIMIT, max_line_size=MAX_FIELD, max_field_size=MAX_FIELD,
-            read_until_eof=True, auto_decompress=False)  # (gzip and deflate: ``Inflate``)
+        self.parser = self._parser()
         self.reusable, self._limit, self._deadline, self._silence = False, limit, deadline, silence
         self._headers, self._chunks, self._size, self._payload = _NO_HEADERS, [], 0, None
         self._encoding, self._inflate = "", None

@@ -554,8 +554,8 @@ async def test_one_endless_trailer_is_cut_off(raw, client) -> None:
     # client's bytes (MAX_HEAD) were the parser to buffer all of it
     srv = await raw(flooding(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
                              b"0\r\nX-T: ", (b"t" * 8192 for _ in range(1000))))
-    with pytest.raises(http1.ProtocolError, match=r"trailers over|a header over 8190 bytes"):
-        await get(client, f"{srv.url}/x", total=10)
+    with broken(http1.ProtocolError, match=r"trailers over|a header over 8190 bytes"):
+        await get(client, f"{srv.url}/x", total=10)  # (the 200's head came: paid)
 
 
 @pytest.mark.parametrize("lean", [False, True])
@@ -660,15 +660,22 @@ async def test_a_second_answer_after_a_body_does_not_replace_the_answer(raw, cli
     (b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n", b'{"a": 1} '),
     (b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n", b"2\r\n{}\r\n0\r\n\r\nhello"),
 ])
+@pytest.mark.parametrize("reads", [1, 2])
 async def test_bytes_after_a_whole_answer_keep_it_not_its_connection(
-        raw, client, answer_bytes: tuple[bytes, bytes]) -> None:
+        raw, client, answer_bytes: tuple[bytes, bytes], reads: int) -> None:
+    """In one read with its head (a Content-Length counted in characters, not bytes), the paid
+    answer was lost as aiohttp's client loses it: no status, a call with no answer, bought
+    again past ``paid_retries``."""
     head, rest = answer_bytes
 
     async def answer(_, reader, writer) -> bool:
+        if reads == 1:
+            writer.write(head + rest)
+            return True
         writer.write(head)
         await writer.drain()
-        await asyncio.sleep(0.05)  # (the head and what follows it in two reads: in one, the
-        writer.write(rest)         # parser never hands the answer over, as with aiohttp's)
+        await asyncio.sleep(0.05)  # (the head and what follows it in two reads)
+        writer.write(rest)
         return True
 
     srv = await raw(answer)
