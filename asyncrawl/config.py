@@ -493,14 +493,29 @@ def _userinfo(url: str) -> set[str]:
     return set()
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (not so: bytes that were none, in an argument or an
+    environment variable, read back as surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _forms_of(secrets: Iterable[str]) -> tuple[str, ...]:
     """Every form in which a secret may show up in text, longest first (so that a secret that
-    contains another is replaced whole): as is, and percent-encoded as in a URL path or query."""
+    contains another is replaced whole): as is, percent-encoded as in a URL path or query, and
+    escaped as Python and JSON quote it (a parser's error that quotes the bytes of a header
+    echoed back: ``\\xc3\\xa9`` for an ``é``, ``\\\\`` for a ``\\``)."""
     forms: set[str] = set()
     for s in secrets:
         if len(s) < MIN_SECRET_LENGTH:
             continue
-        forms.update((s, quote(s, safe=""), quote(s), quote_plus(s), quote(s, safe="/:@!$'()*+,;=")))
+        b = s.encode("utf-8", "surrogateescape")  # (bytes that are no UTF-8: refused later)
+        forms.update((s, quote(b, safe=""), quote(b), quote_plus(b), quote(b, safe="/:@!$'()*+,;="),
+                      repr(b)[2:-1], repr(s)[1:-1], json.dumps(s)[1:-1],
+                      json.dumps(s, ensure_ascii=False)[1:-1]))
     return tuple(sorted(forms, key=len, reverse=True))
 
 
@@ -520,8 +535,12 @@ def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_
                     return UNSET_ENV + var
                 raise ConfigError(f"environment variable ${{{var}}} is not set (export it first)",
                                   key=key, path=path)
-            secrets.add(os.environ[var])
-            return os.environ[var]
+            got = os.environ[var]
+            if not _utf8(got):
+                raise ConfigError(f"environment variable ${{{var}}} is not valid UTF-8",
+                                  key=key, path=path)
+            secrets.add(got)
+            return got
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
         return {k: expand_env(v, f"{key}.{k}", path, secrets, need_env) for k, v in value.items()}
@@ -642,6 +661,8 @@ def _check_types(c: Config) -> None:
                     raise bad(name, f"value of {k!r} must be a string")
                 if any(ch in str(hv) for ch in "\r\n\0"):
                     raise bad(name, f"value of {k!r} contains a line break or NUL")
+                if not _utf8(str(hv)) or not _utf8(k):
+                    raise bad(name, f"{k!r:.40} or its value is not valid UTF-8")
         elif name == "keys":
             for key in v:
                 if not isinstance(key, str) or not key:
@@ -649,6 +670,8 @@ def _check_types(c: Config) -> None:
                                     "best as \"${ENV_VAR}\")")
                 if any(ch in key for ch in "\r\n\0"):
                     raise bad(name, "a key contains a line break or NUL")
+                if not _utf8(key):
+                    raise bad(name, "a key is not valid UTF-8")
         elif name in ("retryable", "skip", "fatal"):
             for code in v:
                 if not _is_status(code):

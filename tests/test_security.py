@@ -385,13 +385,33 @@ def test_url_error_never_quotes_a_secret(tmp_path: Path, monkeypatch: pytest.Mon
 @given(secret=st.text(st.characters(blacklist_characters="*", blacklist_categories=("Cs",)),
                       min_size=3, max_size=40),
        before=st.text(max_size=20), after=st.text(max_size=20),
-       form=st.sampled_from([str, lambda s: quote(s, safe=""), quote, quote_plus]))
+       form=st.sampled_from([str, lambda s: quote(s, safe=""), quote, quote_plus,
+                             lambda s: repr(s.encode())[2:-1], lambda s: repr(s)[1:-1],
+                             lambda s: json.dumps(s)[1:-1]]))
 def test_redact_removes_every_form_of_a_secret(secret: str, before: str, after: str,
                                                form: Callable[[str], str]) -> None:
+    """Escaped too, as a parser's error quotes the bytes of a header a server echoed back
+    (``b'X-Api-Key: cl\\xc3\\xa9-...'``: the key was in the log)."""
     cfg = Config(url="https://api.example.com/n/{id}", secrets=frozenset({secret}))
     out = cfg.redact(before + form(secret) + after)
     for f in forms(secret):
         assert f not in out
+    assert form(secret) not in out
+
+
+@pytest.mark.parametrize("how", ["-H", "env"])
+def test_a_secret_that_is_no_utf8_is_refused_with_its_name(tmp_path: Path, how: str) -> None:
+    """Bytes that are no UTF-8 (read back as surrogates) crashed the run with a traceback."""
+    ids = write_ids(tmp_path / "ids.txt", ["a"])
+    header = "X-Api-Key: ${ASYNCRAWL_T_BAD}" if how == "env" else "X-Api-Key: ab\udcffcdef"
+    env = {**os.environ, "ASYNCRAWL_T_BAD": "ab\udcffcdef"}
+    r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "--url", "http://127.0.0.1:9/{id}",
+                        "--ids", str(ids), "--state", str(tmp_path / "st"), "-H", header,
+                        "--dry-run"], capture_output=True, env=env)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2 and "Traceback" not in err, err
+    assert ("${ASYNCRAWL_T_BAD} is not valid UTF-8" if how == "env"
+            else "'X-Api-Key' or its value is not valid UTF-8") in err
 
 
 def test_config_error_through_the_cli_never_quotes_a_secret(tmp_path: Path) -> None:
