@@ -491,8 +491,11 @@ class Fetcher:
         cfg = self.config
         # the server's bytes as text that can be stored (not UTF-8: escaped, not surrogates);
         # ``shown``: control characters, a terminal's escapes among them, escaped too
-        location = location.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", location)
+        raw = location.encode("utf-8", "surrogateescape")
+        text = raw.decode("utf-8", "backslashreplace")
+        shown = _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+        if text != location:  # (bytes that are no UTF-8: followed percent-encoded as they came,
+            location = quote(raw, safe="!#$%&'()*+,/:;=?@[]~")  # not as their escapes' text)
         try:
             given = URL(location)
             target = url.join(given)

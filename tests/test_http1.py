@@ -579,6 +579,30 @@ async def test_a_location_no_store_could_hold_or_no_host_has_is_a_skip(
     a.error.encode("utf-8")  # (storable: no surrogate left)
 
 
+@pytest.mark.parametrize("lean", [False, True])
+async def test_a_location_that_is_no_utf8_is_followed_as_its_bytes(raw, lean: bool) -> None:
+    """``/final/\\xe9`` was followed to ``/final/%5Cxe9``: the text of its escape, not the
+    byte the server sent."""
+    async def answer(head: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        if head.startswith(b"GET /final/"):
+            writer.write(ok())
+        else:
+            writer.write(b"HTTP/1.1 302 Found\r\nLocation: /final/\xe9?q=\xff\r\n"
+                         b"Content-Length: 0\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, Config(url=f"{srv.url}/{{id}}"), lean=lean)
+        try:
+            a = await fetcher.attempt("x")
+        finally:
+            fetcher.close()
+    assert a.outcome is Outcome.OK, a
+    assert srv.requests[-1].split(b" ")[1] == b"/final/%E9?q=%FF"
+
+
 async def test_connects_at_once_to_one_host_share_its_lookup(
         raw, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crawl's first requests all connect at once: they wait for one lookup of the host
