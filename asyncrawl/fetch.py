@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import ssl
+import time
 import urllib.request
 import zlib
 from collections.abc import Callable, Mapping
@@ -412,14 +413,23 @@ class Fetcher:
             else:
                 # (``hooked`` made its URL a ``URL``: nothing to build again a request)
                 method, url, headers, body = req.method, cast(URL, req.url), req.headers, req.json
+            timeout, began = self.timeout, time.monotonic()
             for hop in range(cfg.max_redirects + 1):
+                if hop:  # (``timeout`` bounds the whole attempt: its hops share it)
+                    left = cfg.timeout - (time.monotonic() - began)
+                    if left <= 0:
+                        return Attempt(Outcome.RETRY, None, kind=ErrorKind.TIMEOUT, error=(
+                            f"timeout: {cfg.timeout:g}s went in redirects (after {hop})"))
+                    timeout = aiohttp.ClientTimeout(
+                        total=left, sock_connect=min(self.timeout.sock_connect or left, left),
+                        sock_read=self.timeout.sock_read)
                 if self.lean is not None and self.lean.serves(method, url):
                     _CONNECTED.set(True)  # (from here on, only a connect's failure sent nothing)
                     try:
                         answer = await self.lean.request(
                             method, url, headers, json=body, data=data,
-                            limit=cfg.max_body_bytes, total=self.timeout.total,
-                            connect=self.timeout.sock_connect, silence=self.timeout.sock_read,
+                            limit=cfg.max_body_bytes, total=timeout.total,
+                            connect=timeout.sock_connect, silence=timeout.sock_read,
                             fixed=req is None and headers is self._builds[lane].headers)
                         status, answered = answer.status, answer.headers
                     except http1.BrokenAnswer as e:  # (a redirect's body is not read: as
@@ -438,7 +448,7 @@ class Fetcher:
                         _CONNECTED.set(False)
                     async with self.session.request(
                         method, url, headers=headers, json=body, data=data,
-                        allow_redirects=False, timeout=self.timeout, ssl=self._ssl,
+                        allow_redirects=False, timeout=timeout, ssl=self._ssl,
                         proxy=self._proxy,
                         raise_for_status=False,  # (an application's session may say otherwise)
                     ) as resp:

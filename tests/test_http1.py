@@ -603,6 +603,32 @@ async def test_a_location_that_is_no_utf8_is_followed_as_its_bytes(raw, lean: bo
     assert srv.requests[-1].split(b" ")[1] == b"/final/%E9?q=%FF"
 
 
+@pytest.mark.parametrize("lean", [False, True])
+async def test_the_timeout_bounds_an_attempt_with_its_redirects(raw, lean: bool) -> None:
+    """Each hop had a timeout of its own: an attempt lasted up to ``max_redirects + 1`` times
+    ``timeout`` (here, five slow redirects and the answer: ~2.4 s against a 1-s timeout)."""
+    from asyncrawl.types import ErrorKind
+
+    async def answer(head: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        hop = int(head.split(b" ")[1].rsplit(b"/r", 1)[-1] or 0) if b"/r" in head else 0
+        await asyncio.sleep(0.4)
+        writer.write(ok() if hop == 5 else b"HTTP/1.1 302 Found\r\nLocation: /r%d\r\n"
+                     b"Content-Length: 0\r\n\r\n" % (hop + 1))
+        return True
+
+    srv = await raw(answer)
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, Config(url=f"{srv.url}/{{id}}", timeout=1.0,
+                                          max_redirects=5), lean=lean)
+        try:
+            a = await fetcher.attempt("x")
+        finally:
+            fetcher.close()
+    assert a.outcome is Outcome.RETRY and a.kind is ErrorKind.TIMEOUT, a
+    assert len(srv.requests) <= 3
+
+
 async def test_connects_at_once_to_one_host_share_its_lookup(
         raw, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crawl's first requests all connect at once: they wait for one lookup of the host
