@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from ._version import __version__
 from .config import MAX_CONCURRENCY, MAX_NUMBER, UNUSED_URL, Config, check_job, expand_env, is_url
-from .errors import AsyncrawlError, ConfigError, InputError, StorageError
+from .errors import AsyncrawlError, ConfigError, InputError, StorageError, without_credentials
 from .progress import ErrorTally, LiveView, line, summary_fields, summary_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, settled
 from .types import Progress, Summary
@@ -896,8 +896,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except AsyncrawlError as e:
-        print(f"asyncrawl: error: {e}", file=sys.stderr)
+    except AsyncrawlError as e:  # (a URL's password quoted in it: one the config could not read)
+        print(f"asyncrawl: error: {without_credentials(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # before the loop's own handler was installed
         return 130

@@ -486,8 +486,9 @@ def _userinfo(url: str) -> set[str]:
     """The password (and whole ``user:password``) of a URL with userinfo."""
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return set()
+    except ValueError:  # (malformed: ``http://u:pw@[::1``, quoted back in its error)
+        userinfo = url.partition("://")[2].rpartition("@")[0]
+        return {userinfo, userinfo.partition(":")[2]} if ":" in userinfo else set()
     if parts.password:
         return {parts.password, parts.netloc.rpartition("@")[0]}
     return set()

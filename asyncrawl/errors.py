@@ -21,10 +21,26 @@ import contextlib
 import errno
 import importlib
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
 from typing import Any
+
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^\s/:@'\"]*):[^\s'\"]*@")
+_PASSWORD_PARAM = re.compile(r"(password=)[^&\s'\"]*", re.IGNORECASE)
+
+
+def without_credentials(text: str) -> str:
+    """``text`` with the password of every URL in it (``scheme://user:password@``, a
+    ``password=`` parameter) replaced by ``***``: for messages that quote a URL the config
+    could not read (its secrets then unknown to ``Config.redact``), or that a library quotes
+    (libpq quotes the URI it refuses)."""
+    if "@" in text:
+        text = _URL_PASSWORD.sub(r"\1:***@", text)
+    if "assword=" in text or "ASSWORD=" in text:
+        text = _PASSWORD_PARAM.sub(r"\1***", text)
+    return text
 
 
 class AsyncrawlError(Exception):

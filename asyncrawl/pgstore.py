@@ -67,9 +67,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 from .config import endpoint_of, is_url
-from .errors import ConfigError, StorageError, require_extra
+from .errors import ConfigError, StorageError, require_extra, without_credentials
 from .records import (
     COUNTED,
     EXPORT_STATES,
@@ -275,13 +276,28 @@ def _psycopg() -> Any:
 
 
 def safe_url(url: str) -> str:
-    """The URL without its password (for messages)."""
+    """The URL without its password (for messages): of its userinfo, and a ``password=``
+    parameter's."""
     head, sep, rest = url.partition("://")
     userinfo, at, host = rest.rpartition("@")
-    if not at:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return f"{head}{sep}{user}@{host}"
+    if at:
+        url = f"{head}{sep}{userinfo.split(':', 1)[0]}@{host}"
+    return without_credentials(url)
+
+
+def _scrubbed(text: str, url: str) -> str:
+    """libpq's message without the password of ``url``: it quotes the URI it refuses, or the
+    token of it that it cannot read (a password with a stray ``%``)."""
+    text = without_credentials(text)
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    for password in (userinfo.partition(":")[2], *_PASSWORD_PARAM.findall(url)):
+        for form in sorted({password, unquote(password)}, key=len, reverse=True):
+            if len(form) >= 3:
+                text = text.replace(form, "***")
+    return text
+
+
+_PASSWORD_PARAM = re.compile(r"password=([^&\s]*)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,11 +397,13 @@ class PgStore:
             malformed = _MALFORMED.search(str(e))
             if malformed:  # no rerun cures these (exit 2, not 5)
                 raise ConfigError(f"{safe_url(url)} is no PostgreSQL URL libpq can read: "
-                                  f"{malformed.group(1)} (check --state / [state] url)") from None
+                                  f"{_scrubbed(malformed.group(1), url)} (check --state / "
+                                  "[state] url)") from None
             refusal = _refused(e)
             if refusal:  # a wrong name in the URL
                 raise ConfigError(f"the PostgreSQL server at {safe_url(url)} refused the "
-                                  f"connection: {refusal} (check the user, password and "
+                                  f"connection: {_scrubbed(refusal, url)} (check the user, "
+                                  "password and "
                                   "database in --state / [state] url)") from None
             raise _storage_error(e, url, "connect to the state database", run=for_run) from None
         return store
@@ -1260,7 +1278,8 @@ def _went_away(e: Exception) -> bool:
 
 def _storage_error(e: Exception, url: str, doing: str, *, run: bool = True) -> StorageError:
     """A psycopg error in an operator's words (``run``: a run's, which a rerun resumes)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = _scrubbed(str(e).strip().splitlines()[0], url) if str(e).strip() else \
+        type(e).__name__
     if _went_away(e):
         then = "nothing committed is lost, rerun to resume" if run else "try again once it is back"
         return StorageError(f"cannot {doing}: the PostgreSQL server is unreachable or went away "

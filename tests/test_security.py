@@ -407,7 +407,7 @@ def test_a_secret_that_is_no_utf8_is_refused_with_its_name(tmp_path: Path, how: 
     env = {**os.environ, "ASYNCRAWL_T_BAD": "ab\udcffcdef"}
     r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "--url", "http://127.0.0.1:9/{id}",
                         "--ids", str(ids), "--state", str(tmp_path / "st"), "-H", header,
-                        "--dry-run"], capture_output=True, env=env)
+                        "--dry-run"], capture_output=True, env=env, cwd=tmp_path)
     err = r.stderr.decode(errors="replace")
     assert r.returncode == 2 and "Traceback" not in err, err
     assert ("${ASYNCRAWL_T_BAD} is not valid UTF-8" if how == "env"
@@ -1045,3 +1045,22 @@ def test_messy_but_valid_ids_file_works(hostile: Hostile, tmp_path: Path) -> Non
     r = run_cli("run", "-c", str(conf), "--no-progress", env={"ASYNCRAWL_TEST_KEY": "k-123"})
     assert r.returncode == 0, r.stderr
     assert sorted(unquote(n) for n in hostile.names()) == ["a1", "a2", "sp ace", "ü"]
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "--url", "http://127.0.0.1:9/{id}", "--proxy", "http://u:PLAINPASS99@[::1"],
+    ["status", "--state", "postgresql://u:PLAINPASS99@[::1/db"],
+    ["status", "--state", "postgresql://u:PLAIN%ZZPASS99@127.0.0.1:9/db"],
+    ["status", "--state", "postgresql://u@127.0.0.1:9/db?password=PLAINPASS99"],
+], ids=["proxy", "pg-malformed", "pg-stray-percent", "pg-password-param"])
+def test_a_password_in_a_url_that_cannot_be_read_is_not_printed(
+        tmp_path: Path, args: list[str]) -> None:
+    """A URL the config could not read never had its password known as a secret, and libpq
+    quotes the URI (or the token) it refuses: the password was in the error."""
+    pytest.importorskip("psycopg", reason="the postgres extra is not installed")
+    ids = write_ids(tmp_path / "ids.txt", ["a"])
+    extra = ["--ids", str(ids), "--state", str(tmp_path / "st")] if args[0] == "run" else []
+    r = subprocess.run([sys.executable, "-m", "asyncrawl", *args, *extra], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)  # (no ./config.toml)
+    assert r.returncode in (2, 5) and "asyncrawl: error:" in r.stderr, r.stderr
+    assert "PASS99" not in r.stderr + r.stdout and "ZZPASS" not in r.stderr, r.stderr
