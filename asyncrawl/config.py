@@ -13,6 +13,7 @@ quotes one. See SECURITY.md.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -341,7 +342,28 @@ class Config:
             ident["json"] = self.redact(json.dumps(self.json, sort_keys=True))
         if self.body is not None:
             ident["body"] = self.redact(self.body)
+        address = self._address_print()
+        if address is not None:
+            ident["address"] = address
         return ident
+
+    def _address_print(self) -> str | None:
+        """A fingerprint of what the identity holds redacted of the job's address, not of its
+        credentials: an ``${ENV}`` value in the URL's origin (``http://${API_HOST}/...``), or
+        in a query parameter not named as a secret (``region = "${REGION}"``). Without it,
+        the state of a job against staging took production's for its own (``***`` both)."""
+        try:
+            parts = urlsplit(self.url)
+            hidden = [f"{parts.scheme}://{parts.hostname}:{parts.port}"]
+        except ValueError:
+            hidden = [self.url]
+        if self.redact(hidden[0]) == hidden[0]:
+            hidden = []
+        hidden += [f"{k}={v}" for k, v in sorted(self.params.items())
+                   if not self.is_secret_param(k) and self.redact(str(v)) != str(v)]
+        if not hidden:
+            return None
+        return hashlib.sha256("\n".join(hidden).encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
     def key_value(self, key: str) -> str:
         """What the ``key_header`` of a request carries for one of ``[request] keys``."""
@@ -910,13 +932,18 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
     if job is None or cfg.reuse_state:
         return
     job = _as_redacted_now(cfg, job)
+    if "address" not in job:  # (a state of an earlier release: what it cannot tell apart)
+        now.pop("address", None)
     if job == now:
         return
-    keys = [k for k in ("method", "url", "params") if job.get(k) != now[k]]
+    keys = [k for k in ("method", "url", "params", "json", "body") if job.get(k) != now.get(k)]
+    differ = [f"{k} {job.get(k)!r}" for k in keys]
+    if job.get("address") != now.get("address"):
+        differ.append("its ${ENV} values in the URL's host or query parameters")
     raise JobMismatch(
         f"the state {cfg.state_shown} belongs to another job ("
-        + ", ".join(f"{k} {job.get(k)!r}" for k in keys) + "; this run has "
-        + ", ".join(f"{k} {now[k]!r}" for k in keys)
+        + ", ".join(differ) + (("; this run has " + ", ".join(f"{k} {now[k]!r}" for k in keys))
+                               if keys else ": this run's differ")
         + "). Start the new job with its own state (--state DIR; Config(state_dir=...)), or, "
         "to fetch from the new address what the old job had not settled and keep what it had, "
         "pass --reuse-state ([state] reuse = true; Config(reuse_state=True))")
