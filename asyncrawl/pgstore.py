@@ -275,6 +275,11 @@ def _psycopg() -> Any:
     return require_extra("psycopg", "postgres", "a postgresql:// state")
 
 
+class NoJob(ConfigError):
+    """The database answers and holds no such job (the other ``ConfigError``s of a reader: a
+    URL it cannot read, a server that refuses it)."""
+
+
 def safe_url(url: str) -> str:
     """The URL without its password (for messages): of its userinfo, and a ``password=``
     parameter's."""
@@ -370,7 +375,7 @@ class PgStore:
         if store.job is None and not store._job_exists():
             with contextlib.suppress(Exception):
                 store._close_sync()
-            raise ConfigError(f"no job {job!r} in {safe_url(url)}: nothing has run with it (check "
+            raise NoJob(f"no job {job!r} in {safe_url(url)}: nothing has run with it (check "
                               "--job / [state] job, and --state / [state] url)")
         return store
 
@@ -387,7 +392,7 @@ class PgStore:
             if for_run:
                 store._ensure_schema()
             elif not store._schema_exists(columns=False):
-                raise ConfigError(f"no job {job!r} in {safe_url(url)}: no asyncrawl tables "
+                raise NoJob(f"no job {job!r} in {safe_url(url)}: no asyncrawl tables "
                                   "there (check --state / [state] url)")
             store.job = store._identity()
         except psycopg.Error as e:

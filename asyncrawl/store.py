@@ -62,7 +62,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, overload
 
 from .config import is_url
-from .errors import ConfigError
 from .records import Bought, Counts, Record, Snapshot
 from .sqlstore import SqliteStore
 
@@ -131,11 +130,11 @@ def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False,
     """The store at ``location``, read-only and unlocked (a run may be going). Where no run
     ever wrote: ``None`` if ``missing_ok``, else ``ConfigError`` (a wrong ``--state``)."""
     if is_url(location):
-        from .pgstore import PgStore
+        from .pgstore import NoJob, PgStore
 
         try:
             return PgStore.reader(str(location), job)
-        except ConfigError:
+        except NoJob:  # (not a refused connection: a dry run would say nothing was done)
             if missing_ok:
                 return None
             raise

@@ -1518,3 +1518,18 @@ def test_a_job_of_the_release_before_gets_the_calls_answered_counted() -> None:
     finally:
         with psycopg.connect(PG, autocommit=True) as db:
             db.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def test_a_dry_run_on_a_database_that_refuses_says_so(tmp_path: Path, job: str) -> None:
+    """A wrong password or user (or a malformed URL) read as "no such job": the dry run said
+    nothing was done and priced every ID, where run and status exit 2."""
+    from urllib.parse import urlsplit
+
+    ids = write_ids(tmp_path / "ids.txt", ["a", "b"])
+    parts = urlsplit(PG)
+    refused = parts._replace(netloc=f"no_such_role_x@{parts.hostname}:{parts.port or 5432}").geturl()
+    args = ("run", "--url", "http://127.0.0.1:9/{id}", "--ids", str(ids), "--job", job, "--dry-run")
+    r = cli(*args, "--state", refused, cwd=tmp_path)
+    assert r.returncode == 2 and "refused the connection" in r.stderr, r.stdout + r.stderr
+    r = cli(*args, "--state", PG, cwd=tmp_path)  # (no such job: nothing done yet)
+    assert r.returncode == 0 and "calls left: 2" in r.stdout, r.stdout + r.stderr
