@@ -37,6 +37,7 @@ from .conftest import (
     KEY,
     answered_2xx,
     asyncrawl_log,
+    cli,
     cut_off_after,
     db_rows,
     fast_config,
@@ -851,6 +852,11 @@ async def test_a_2xx_that_does_not_parse_is_bought_at_most_twice_across_runs(
         cfg = fast_config(api, state, second_pass=False)
         s = await Crawler(cfg).run(["a", "junk"])
         assert (s.ok, s.failed, answered_2xx(api, "junk")) == (1, 1, 2)
+        ids = state.parent / "ids.txt"  # (a dry run counted it as a call left)
+        ids.write_text("a\njunk\nb\n")
+        r = await asyncio.to_thread(cli, "run", "--url", cfg.url, "--state", str(state),
+                                    "--ids", str(ids), "--dry-run", cwd=state.parent)
+        assert "already done: 2; calls left: 1 " in r.stdout, r.stdout + r.stderr
         s = await Crawler(cfg).run(["a", "junk", "b"])  # (failed: tried again, was bought)
         assert (s.ok, s.unavailable, answered_2xx(api, "junk")) == (2, 1, 2)
         assert "paid_retries" in exported(cfg, "unavailable")[0]["error"]
