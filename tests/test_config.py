@@ -453,3 +453,15 @@ def test_an_at_sign_in_the_query_is_no_user_and_a_key_header_is_a_token() -> Non
     assert cfg.url.startswith("https://api.example.com?owner=me@")
     with pytest.raises(ConfigError, match="must be a header name"):
         Config(url=URL, keys=["k1"], key_header="X-Clé")  # (400s for every request)
+
+
+@pytest.mark.parametrize("value", ["${KEY:-dflt}", "${}", "ab-${HOME"])
+def test_a_reference_that_is_no_env_name_is_refused(tmp_path: Path, value: str) -> None:
+    """It went out as it was written: a header carried "${KEY:-dflt}" as the API key."""
+    p = tmp_path / "c.toml"
+    p.write_text(f'[request]\nurl = "http://h/{{id}}"\n[request.headers]\nX-Api-Key = "{value}"\n'
+                 '[alerts]\non_halt = "echo ${ASYNCRAWL_T_UNSET:-none}"\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"request\.headers\.X-Api-Key.*is no \$\{NAME\} reference"):
+        Config.load(p)
+    p.write_text(p.read_text().replace(value, "plain"), encoding="utf-8")
+    assert Config.load(p).on_halt == "echo ${ASYNCRAWL_T_UNSET:-none}"  # (the shell's own)
