@@ -57,8 +57,8 @@ _W = r"[A-Za-z0-9_.\-]"
 _PARAM_NAMES = (
     rf"(?:{_W}*[-_.])?(?:secret|passw(?:or)?d|pwd|credentials?|signature|auth)(?:[-_.]{_W}*)?"
     rf"|(?:{_W}*[-_.])?(?:api|access|private|secret|client|app|subscription|auth|refresh|id"
-    rf"|session|bearer|oauth)[-_.]?(?:key|token)(?:[-_.]{_W}*)?"
-    r"|key|token|sig")
+    rf"|session|bearer|oauth|licen[cs]e)[-_.]?(?:key|token)(?:[-_.]{_W}*)?"
+    r"|key|token|sig|appid|jwt")
 _SECRET_PARAM = re.compile(rf"^(?:{_PARAM_NAMES})$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NOT_ENV_REF = re.compile(r"\$\{(?![A-Za-z_][A-Za-z0-9_]*\})[^}]{0,30}\}?")  # ``${A:-b}``, ``${``

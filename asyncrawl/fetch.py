@@ -471,7 +471,7 @@ class Fetcher:
         except http1.ConnectError as e:  # (the lean client's: nothing was sent)
             if isinstance(e.os_error, ssl.SSLCertVerificationError):
                 return self._certificate(e.os_error, first=hop == 0)
-            kind, error = _connect_error(e)
+            kind, error = _connect_error(e, self._proxy)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
                            sent_nothing=hop == 0)
         except aiohttp.ClientConnectorCertificateError as e:
@@ -482,7 +482,7 @@ class Fetcher:
                            kind=ErrorKind.TIMEOUT, unanswered=left,
                            sent_nothing=hop == 0 and not left)
         except aiohttp.ClientConnectorError as e:  # (no connection: nothing was sent)
-            kind, error = _connect_error(e)
+            kind, error = _connect_error(e, self._proxy)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
                            sent_nothing=hop == 0)
         except (aiohttp.ClientError, OSError) as e:  # (OSError: a socket error not wrapped)
@@ -860,15 +860,19 @@ def _out_of_files(err: BaseException) -> str:
             "connections to close (raise `ulimit -n`, or lower [limits] concurrency)")
 
 
-def _connect_error(e: aiohttp.ClientConnectorError | http1.ConnectError) -> tuple[ErrorKind, str]:
+def _connect_error(e: aiohttp.ClientConnectorError | http1.ConnectError,
+                   proxy: str | None) -> tuple[ErrorKind, str]:
     """A connect failure's kind, in words an operator acts on: ``connection refused to
-    host:port``, ``name host does not resolve``; else the exception as usual."""
+    host:port``, ``name host does not resolve``; else the exception as usual. ``proxy``: the
+    proxy the request went through, if any."""
     err = e.os_error
     if getattr(err, "errno", None) in _OUT_OF_FILES:
         return ErrorKind.LOCAL, _out_of_files(err)
     if isinstance(e, aiohttp.ClientProxyConnectionError):
         return ErrorKind.PROXY, f"cannot connect to the proxy {e.host}:{e.port} ({_describe(err)})"
     if isinstance(err, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
+        if proxy is not None and e.host == urlsplit(proxy).hostname:  # (aiohttp says DNS)
+            return ErrorKind.PROXY, f"the proxy's name {e.host} does not resolve"
         return ErrorKind.DNS, f"name {e.host} does not resolve"
     if isinstance(err, ConnectionRefusedError) or getattr(err, "errno", None) == errno.ECONNREFUSED:
         return ErrorKind.REFUSED, f"connection refused to {e.host}:{e.port}"

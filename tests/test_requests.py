@@ -208,15 +208,25 @@ async def test_proxy_flag_expands_env_and_a_proxy_refusing_it_halts_the_job(
     assert json.loads(r.stdout)["unavailable"] == 0  # nothing given up on: a rerun fetches all
 
 
+async def test_a_proxy_whose_name_does_not_resolve_says_check_the_proxy(tmp_path: Path) -> None:
+    """The hint said to check the host name of [request] url."""
+    ids = write_ids(tmp_path / "ids.txt", ["a"])
+    code, err = await _cli("run", "--url", "http://127.0.0.1:9/{id}", "--ids", str(ids),
+                           "--state", str(tmp_path / "s"), "--no-progress", "--proxy",
+                           "http://no-such-proxy.invalid:3128", env=_cli_env(), cwd=tmp_path)
+    assert code == 2 and "the proxy's name no-such-proxy.invalid does not resolve" in err, err
+    assert "check [request] proxy" in err
+
+
 def _cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
     return {**env, "ASYNCRAWL_TEST_KEY": KEY, **extra}
 
 
-async def _cli(*args: str, env: dict[str, str]) -> tuple[int, str]:
+async def _cli(*args: str, env: dict[str, str], cwd: Path | None = None) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "asyncrawl", *args, env=env,
+        sys.executable, "-m", "asyncrawl", *args, env=env, cwd=cwd,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode is not None
