@@ -562,7 +562,9 @@ class PgStore:
                        "('failed', 'perm')", (self.job_name,))
             db.execute("UPDATE asyncrawl_runs SET ended = heartbeat, error = 'died' "
                        "WHERE job = %s AND ended IS NULL", (self.job_name,))
-        if job is not None:
+        if job is not None and not working:  # (a run joining runs at work with --reuse-state
+            # and another config leaves the job's as it is: a run of theirs, restarted, is not
+            # refused as another job's)
             db.execute("UPDATE asyncrawl_jobs SET identity = %s WHERE job = %s",
                        (_jsonb(job), self.job_name))
         self._gen = db.execute("SELECT generation FROM asyncrawl_jobs WHERE job = %s",
@@ -750,8 +752,16 @@ class PgStore:
                 WHERE i.job = %(job)s AND i.id = held.id""",
                 {"lease": self.lease, "job": self.job_name, "run": self._run,
                  "half": self.lease / 2})
-            db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW}, idle = %s WHERE run = %s",
-                       (idle, self._run))
+            ended = db.execute(f"UPDATE asyncrawl_runs SET heartbeat = {NOW}, idle = %s "
+                               "WHERE run = %s RETURNING ended", (idle, self._run)).fetchone()
+            if ended is not None and ended[0] is not None:
+                # held up past its lease while no other run was at work, it was taken for
+                # dead by the next one: its claims come back empty, the job's halts are of
+                # a generation that is not its own; it would wait for ever, or send outside
+                # the job's share of the rate
+                raise StorageError("this process was held up past its lease (a stopped VM, a "
+                                   "long pause) and the job went on without it: its run was "
+                                   "ended as dead; rerun to resume", path=safe_url(self.url))
             # the runs at work share the job's rate: an idle one (it waits, holds nothing) is
             # not counted, but by itself (if it is given work, it re-joins: ``Heartbeat``)
             (halt_gen, halt, pause_until, now, live, cut, cut_at, cut_run, breaker_run,

@@ -1533,3 +1533,54 @@ def test_a_dry_run_on_a_database_that_refuses_says_so(tmp_path: Path, job: str) 
     assert r.returncode == 2 and "refused the connection" in r.stderr, r.stdout + r.stderr
     r = cli(*args, "--state", PG, cwd=tmp_path)  # (no such job: nothing done yet)
     assert r.returncode == 0 and "calls left: 2" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_run_taken_for_dead_by_the_next_generation_stops_at_its_heartbeat(job: str) -> None:
+    """A process held up past its lease while no other run was at work (SIGSTOP) was taken for
+    dead by the next run, which began a new generation; resumed, its claims came back empty
+    and the job's halts were of another generation: it waited for ever, a zombie."""
+    import psycopg
+
+    from asyncrawl.errors import StorageError
+
+    async def go() -> None:
+        a = await _run_of(job, 1)
+        with psycopg.connect(PG, autocommit=True) as db:  # (a stopped: no heartbeat since)
+            db.execute("UPDATE asyncrawl_runs SET heartbeat = heartbeat - 3600 WHERE run = %s",
+                       (a._run,))
+        b = await _run_of(job, 2)  # no run at work: a new generation, a ended as dead
+        try:
+            assert b._gen == a._gen + 1
+            await b.heartbeat(False)  # (b's own goes on)
+            with pytest.raises(StorageError, match="held up past its lease"):
+                await a.heartbeat(False)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_a_run_joining_runs_at_work_leaves_the_job_s_identity(job: str) -> None:
+    """A run joining with --reuse-state and another URL set the job's identity to its own
+    while the others went on with theirs: one of them, restarted, was refused as another
+    job's. The identity changes when a new generation starts, with no run at work."""
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    def first(url: str) -> Record:
+        return Record("run", extra={"version": "t", "pid": 1, "job": {"url": url}})
+
+    async def go() -> None:
+        a = await PgStore.open(PG, job)
+        a.commit([first("http://one/{id}")])
+        c = await PgStore.open(PG, job)
+        c.commit([first("http://two/{id}")])  # (--reuse-state: a is at work)
+        try:
+            assert pg_rows("SELECT identity->>'url' FROM asyncrawl_jobs WHERE job = %s",
+                           job) == [("http://one/{id}",)]
+        finally:
+            await a.close()
+            await c.close()
+
+    asyncio.run(go())
