@@ -13,6 +13,7 @@ and a server's ``Retry-After`` (seconds or an HTTP-date, RFC 9110 §10.2.3), cap
 
 from __future__ import annotations
 
+import datetime
 import math
 import random
 import time
@@ -54,8 +55,10 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when is None or when.tzinfo is None:
+    if when is None or (when.tzinfo is None and "," in value):  # (a date without its zone)
         return None
+    if when.tzinfo is None:  # asctime's form, "Sun Nov  6 08:49:37 1994", has none: HTTP-dates
+        when = when.replace(tzinfo=datetime.UTC)  # are GMT (RFC 9110 §5.6.7)
     try:
         ts = when.timestamp()
     except (OverflowError, OSError, ValueError):

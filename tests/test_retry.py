@@ -89,6 +89,15 @@ def test_retry_after_http_date_in_future() -> None:
     assert parse_retry_after(when, now=NOW.timestamp()) == pytest.approx(90.0)
 
 
+@pytest.mark.parametrize("form", ["%a, %d %b %Y %H:%M:%S GMT", "%A, %d-%b-%y %H:%M:%S GMT",
+                                  "%a %b %d %H:%M:%S %Y"])
+def test_retry_after_takes_each_of_the_three_http_date_forms(form: str) -> None:
+    """RFC 9110 §5.6.7: IMF-fixdate, RFC 850's and asctime's (no zone: GMT); asctime's was
+    refused, and a server's pause was taken for none."""
+    when = (NOW + timedelta(seconds=90)).strftime(form)
+    assert parse_retry_after(when, now=NOW.timestamp()) == pytest.approx(90.0)
+
+
 def test_retry_after_http_date_in_past_is_zero() -> None:
     when = format_datetime(NOW - timedelta(hours=3), usegmt=True)
     assert parse_retry_after(when, now=NOW.timestamp()) == 0.0
