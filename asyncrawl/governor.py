@@ -40,6 +40,7 @@ from typing import NamedTuple
 from aiolimiter import AsyncLimiter
 
 PROVEN_FOR = 120.0  # seconds a figure of what the server takes holds without a stretch showing it
+SETTLE = 1.0  # seconds after a cut (with no pause of the server's) whose requests' 429s open no episode
 
 
 class RateController:
@@ -104,7 +105,7 @@ class RateController:
     __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
                  "_last_cut", "_last_raise", "_limited", "_limited_recent", "_own_cut", "_pause_end",
                  "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
-                 "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
+                 "_settle", "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
                  "_stretch_took", "_sure_share", "background", "ceiling", "cuts", "max_rate",
                  "min_rate", "rate", "shared")
 
@@ -117,6 +118,9 @@ class RateController:
         self.cuts = 0
         self._last_cut = -math.inf  # answers to requests sent before this describe an old rate
         self._own_cut = -math.inf  # ... of which this controller's own cuts (not ``adopt``'s)
+        # a 429 to a request sent before this may still be the overrun's that the last cut
+        # answered: a window the server had not reset yet (``SETTLE``); it opens no episode
+        self._settle = -math.inf
         self._last_raise = now
         self._decide_at: float | None = None  # an open episode is judged then
         self._since: float | None = None  # first send since the last decrease
@@ -179,7 +183,9 @@ class RateController:
         elif self._stretch is not None and sent_at >= self._stretch:
             self._stretch_took += 1
         if sent_at >= self._last_cut:
-            if limited:
+            if limited and sent_at < self._settle:
+                pass  # (the overrun the last cut answered: its window not reset yet)
+            elif limited:
                 self._limited += 1
                 if self._decide_at is None:
                     self._episode_answers = 0
@@ -295,9 +301,13 @@ class RateController:
             # ramping up) or after a pause. The share of 429s among the episode's answers says
             # how far over a quota the job is (1 - quota / rate, once a saved burst is spent):
             # a few per-item 429s among many answers are no evidence of a quota far below.
-            sending = min(self.rate, self._sent / max(wall - self._paused, 0.005))
+            # (accepted per second of sending, over at least a second: the quota of a window
+            # a second long shows whole only then; 10 taken in 0.3 s is no quota of 33 a
+            # second; and the server's pause is no time it took nothing in)
+            busy = wall - self._paused
+            sending = min(self.rate, self._sent / max(busy, 0.005))
             shown = sending * (1 - self._limited / max(self._episode_answers, self._limited))
-            quota = max(self._accepted / wall, shown)
+            quota = max(self._accepted / max(busy, 1.0), shown)
             self.ceiling = None
             target = 0.95 * quota
             if self.shared:  # a share of the job's answers, over less than a second (the
@@ -310,6 +320,9 @@ class RateController:
             self.ceiling = self.rate
         self.rate = rate
         self._last_cut = self._own_cut = self._last_raise = now
+        # requests sent in the next second may meet the window that was overrun (no pause of
+        # the server's said when it resets): their 429s say nothing of the new rate
+        self._settle = now if self._pause_end > now - SETTLE else now + SETTLE
         self._new_episode()
         self.cuts += 1
 
