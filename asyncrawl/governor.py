@@ -536,8 +536,8 @@ class Lane:
     own token bucket, adaptive rate and ``Retry-After`` pause, because a provider that gives a
     quota per key limits each key by itself. ``retired``: the key was refused (401/402)."""
 
-    __slots__ = ("controller", "index", "leave_slot", "limiter", "next_slot", "paused_until",
-                 "rate", "retired", "sends", "turn")
+    __slots__ = ("controller", "index", "leave_slot", "leaving", "limiter", "next_slot",
+                 "pacing", "paused_until", "rate", "retired", "sends", "turn")
 
     def __init__(self, index: int, rate: float, burst: int, *, adaptive: bool,
                  now: float) -> None:
@@ -547,8 +547,10 @@ class Lane:
         self.sends = _bucket(burst, rate)  # the same bucket, as requests leave
         self.controller = RateController(max_rate=rate, now=now) if adaptive else None
         self.paused_until = 0.0
-        self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``
+        self.next_slot = 0.0  # pacing at the effective rate, when it is below ``rate``: the
+        self.pacing = asyncio.Lock()  # last ticket's time, and its waiters' line (``_paced``)
         self.leave_slot = 0.0  # the same, as requests leave
+        self.leaving = asyncio.Lock()
         self.turn = 0.0  # when it is this lane's turn again, at its effective rate
         self.retired = False
 
@@ -758,9 +760,8 @@ class Governor:
             if c is not None:
                 c.tick(now)
                 if c.limited:
-                    wait, lane.next_slot = _pace(lane.next_slot, now, c.rate)
-                    if wait > 0:
-                        await asyncio.sleep(wait)
+                    async with lane.pacing:
+                        lane.next_slot = await _paced(lane.next_slot, c)
             bucket, job_bucket = lane.limiter, self.limiter
             await bucket.acquire()
             if job_bucket is not None:
@@ -815,9 +816,8 @@ class Governor:
         lane = self.lanes[ticket.lane]
         c = lane.controller
         if c is not None and c.limited:
-            wait, lane.leave_slot = _pace(lane.leave_slot, self._loop.time(), c.rate)
-            if wait > 0:
-                await asyncio.sleep(wait)
+            async with lane.leaving:
+                lane.leave_slot = await _paced(lane.leave_slot, c)
         while True:
             bucket, job = lane.sends, self.sends
             await bucket.acquire()
@@ -888,11 +888,20 @@ def _take(bucket: AsyncLimiter) -> bool:
     return True
 
 
-def _pace(slot: float, now: float, rate: float) -> tuple[float, float]:
-    """Pacing at ``rate``: the wait for the next slot (``slot``: where it starts, at the
-    earliest), and where the one after it starts."""
-    at = max(slot, now)
-    return at - now, at + 1.0 / rate
+async def _paced(last: float, c: RateController) -> float:
+    """Wait until ``1 / rate`` after ``last`` (the slot before) at the adaptive rate of now,
+    read again at least every 0.25 s; the slot's time. One waiter at a time (the caller holds
+    the lane's lock; the others queue behind it), so a rate that climbs while requests wait
+    paces them at once: each booked its slot ahead at the rate of its arrival, and after a cut
+    to 0.26/s, 16 workers held a minute of slots at that rate while it climbed back."""
+    loop = asyncio.get_running_loop()
+    while True:
+        now = loop.time()
+        gap = 1.0 / c.rate
+        at = last + gap
+        if at <= now:  # on time (a sleep's lateness does not slow the rate down), or late by
+            return at if now - at < gap else now  # more than a slot: from now, no catching up
+        await asyncio.sleep(min(at - now, 0.25))
 
 
 def _free(bucket: AsyncLimiter) -> bool:

@@ -55,6 +55,53 @@ def test_rate_controller_converges_for_other_quotas(quota: int) -> None:
     assert sum(1 for lim in late if not lim) / 45 >= 0.85 * quota
 
 
+def simulate_in_flight(quota: int, rate: float, seconds: float, retry_after: float | None,
+                       in_flight: int = 16, latency: float = 0.05) -> list[tuple[float, bool]]:
+    """``simulate_quota`` with ``in_flight`` requests out at once (``latency`` each), and a
+    server that may say nothing of when to come back (``retry_after`` None): the answers."""
+    c = RateController(max_rate=rate, now=0.0)
+    now, paused_until, window, used, slot = 0.0, 0.0, -1, 0, 0.0
+    answers: list[tuple[float, bool]] = []
+    out: list[tuple[float, float, bool]] = []  # (answered at, sent at, limited)
+    while now < seconds:
+        send_at = max(slot, paused_until, now)
+        if len(out) >= in_flight or (out and out[0][0] <= send_at):
+            done, sent, limited = heapq.heappop(out)
+            now = done
+            c.on_response(done, sent, limited, limited and retry_after is not None)
+            answers.append((done, limited))
+            if limited and retry_after is not None and done + retry_after > paused_until:
+                c.on_pause(max(done, paused_until), done + retry_after)
+                paused_until = done + retry_after
+            continue
+        now = send_at
+        c.tick(now)
+        if now < max(slot, paused_until):
+            continue
+        c.on_send(now)
+        slot = now + 1.0 / c.rate
+        if int(now) != window:
+            window, used = int(now), 0
+        limited = used >= quota
+        used += not limited
+        heapq.heappush(out, (now + latency, now, limited))
+    return answers
+
+
+@pytest.mark.parametrize(("quota", "rate", "retry_after"), [
+    (10, 30, None), (5, 25, None), (40, 200, None), (80, 400, None), (10, 30, 5.0)])
+def test_an_overrun_without_a_pause_or_with_a_long_one_is_no_collapse(
+        quota: int, rate: float, retry_after: float | None) -> None:
+    """A 429 that says nothing of when to come back: the requests sent just after the cut met
+    the window that was overrun, and each such episode cut again, to a tenth (10 a second
+    fell to 0.26); a long Retry-After counted as time the server took nothing in (5 s: cut to
+    3 for a quota of 10). A rate-limit audit against a server of its own."""
+    answers = simulate_in_flight(quota, rate, 60, retry_after)
+    late = [limited for t, limited in answers if t >= 15]
+    assert sum(1 for lim in late if not lim) / 45 >= 0.9 * quota
+    assert sum(late) / len(late) < 0.05
+
+
 def test_rate_controller_recovers_when_the_limit_goes_away() -> None:
     c = RateController(max_rate=100, now=0.0)
     c.on_send(0.0)
@@ -595,3 +642,21 @@ async def test_the_governor_marks_its_controller_shared_while_other_processes_sh
     assert gov.controller.shared
     gov.share(1)
     assert not gov.controller.shared
+
+
+async def test_requests_waiting_at_a_low_adaptive_rate_go_at_once_when_it_climbs() -> None:
+    """Each waiting worker booked its slot ahead at the rate of its arrival: after a cut to
+    0.26/s, 16 workers held a minute of slots at that rate, and the requests went out one
+    every few seconds while the rate had climbed back (a rate-limit audit)."""
+    gov = Governor(rate=1000, burst=1000, adaptive=True)
+    c = gov.controller
+    assert c is not None
+    c.rate = 0.25  # (cut deep: one request every 4 s)
+    c._last_raise = asyncio.get_running_loop().time() + 600  # (no climb of its own)
+
+    def climbs() -> None:  # once every worker waits for its slot
+        c.rate = 100.0
+
+    passed, elapsed = await tickets(gov, 16, 0.5, lambda: gov.acquire(), then=climbs)
+    assert len(passed) >= 20  # (~50 at 100/s; 1 at the slots booked before)
+    assert len(passed) <= 2 + 100 * elapsed * 1.05
