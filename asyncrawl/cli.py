@@ -440,7 +440,13 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
         signals.append(signum)
         crawler.stop("signal", signum=signum)
         if len(signals) == 2:  # (cut short: a store that answers nothing is not waited for)
-            leaving.append(loop.create_task(_leave_a_stalled_store(crawler, signals[0])))
+            leaving.append(loop.create_task(_leave_a_stalled_store(crawler, signals[0],
+                                                                   before=last_words)))
+
+    def last_words() -> None:  # (what the finally below does, before an exit that skips it)
+        if live is not None:
+            live.close()
+        drain_errors()
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
@@ -467,7 +473,8 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
     return summary, errors.top(3)
 
 
-async def _leave_a_stalled_store(crawler: Crawler, signum: int) -> None:
+async def _leave_a_stalled_store(crawler: Crawler, signum: int, *,
+                                 before: Callable[[], None]) -> None:
     """After a second signal: once the state store is known to answer nothing
     (``Progress.store_stalled``: ~10 s with records waiting), exit at once instead of waiting
     for it for ever, as ``kill -9`` would and with the same effect (what it committed is
@@ -476,6 +483,8 @@ async def _leave_a_stalled_store(crawler: Crawler, signum: int) -> None:
 
     while not crawler.progress().store_stalled:
         await asyncio.sleep(STALL_LOOK)
+    with contextlib.suppress(Exception):
+        before()
     log.error("the state store does not answer (a hung disk, a database holding its locks): "
               "exiting without waiting for it, as the second signal asks; what it committed is "
               "kept, and the next run fetches again what it had not committed")

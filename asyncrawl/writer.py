@@ -57,8 +57,10 @@ class _Reporting:
     @property
     def stalled(self) -> bool:
         """Whether the store has answered nothing while records waited for it, two looks of
-        ``_check_stall`` in a row (``STALL_CHECK`` s apart): what it warns of."""
-        return self._still >= 2
+        ``_check_stall`` in a row (``STALL_CHECK`` s apart: what it warns of), and still
+        nothing since the last look, with records still waiting (it may have answered
+        since: the next look would say so)."""
+        return self._still >= 2 and self.commits == self._commits_seen and self.backlog > 0
 
     def behind(self) -> bool:
         """Whether the store is so far behind that no new request should start. Never once

@@ -1164,6 +1164,20 @@ async def test_a_stalled_writing_process_is_said_and_so_is_its_return(
     await store.close()
 
 
+def test_a_store_that_answers_again_is_not_stalled_before_the_next_look() -> None:
+    """``stalled`` stayed true up to 5 s after the store answered again: a second signal
+    then ended the run by ``os._exit``, dropping what was about to be committed."""
+    from asyncrawl.writer import _Reporting
+
+    w = _Reporting(on_commit=lambda b: None, on_error=lambda e: None)
+    w.backlog = 3
+    for _ in range(3):
+        w._check_stall()
+    assert w.stalled
+    w._count([Record("run", ts=TS, extra={"job": JOB})])  # (it answers)
+    assert not w.stalled
+
+
 def test_an_ids_file_identity_kept_by_the_release_before_still_matches() -> None:
     """It had no change time: every job lost its read-on-from-the-frontier for good at the
     upgrade (its file taken for changed, the job's source "mixed")."""
