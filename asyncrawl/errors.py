@@ -27,8 +27,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^\s/:@'\"]*):[^\s'\"]*@")
-_PASSWORD_PARAM = re.compile(r"(password=)[^&\s'\"]*", re.IGNORECASE)
+# (userinfo holds no unencoded "/", "?" or "#": a port, then a path with an "@", is no password)
+_URL_PASSWORD = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://[^\s/?#:@'\"]*):[^\s/?#'\"]*@")
+_PASSWORD_PARAM = re.compile(r"((?:password|passwd|pwd)\s*=\s*)('[^']*'|[^&\s'\"]*)",
+                             re.IGNORECASE)
 
 
 def without_credentials(text: str) -> str:
@@ -38,7 +40,7 @@ def without_credentials(text: str) -> str:
     (libpq quotes the URI it refuses)."""
     if "@" in text:
         text = _URL_PASSWORD.sub(r"\1:***@", text)
-    if "assword=" in text or "ASSWORD=" in text:
+    if "=" in text:
         text = _PASSWORD_PARAM.sub(r"\1***", text)
     return text
 

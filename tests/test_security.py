@@ -1086,3 +1086,17 @@ def test_a_password_in_a_url_that_cannot_be_read_is_not_printed(
                        text=True, timeout=60, cwd=tmp_path)  # (no ./config.toml)
     assert r.returncode in (2, 5) and "asyncrawl: error:" in r.stderr, r.stderr
     assert "PASS99" not in r.stderr + r.stdout and "ZZPASS" not in r.stderr, r.stderr
+
+
+def test_scrubbing_url_credentials_leaves_ordinary_urls_alone() -> None:
+    """A port, then an "@" in the path or query, was taken for a password: the message showed
+    another host (``http://api.example.com:***@example.com``)."""
+    from asyncrawl.errors import without_credentials
+
+    for plain in ("http://api.example.com:8443/v1/users/bob@example.com",
+                  "https://api.example.com:443/search?q=a@b.com", "mailto:a@b.com"):
+        assert without_credentials(plain) == plain
+    for secret, text in (("PASS99", "http://u:PASS99@[::1"), ("p@ss", "postgresql://u:p@ss@h/db"),
+                         ("a b", "password='a b' host=x"), ("abc", "pwd=abc&x=1"),
+                         ("PASS99", "postgresql://u@h/db?password=PASS99")):
+        assert secret not in without_credentials(text), text
