@@ -349,22 +349,19 @@ class Config:
         return ident
 
     def _address_print(self) -> str | None:
-        """A fingerprint of what the identity holds redacted of the job's address, not of its
-        credentials: an ``${ENV}`` value in the URL's origin (``http://${API_HOST}/...``), or
-        in a query parameter not named as a secret (``region = "${REGION}"``). Without it,
-        the state of a job against staging took production's for its own (``***`` both)."""
+        """A fingerprint of the URL's host and port where the identity holds them redacted
+        (an ``${ENV}`` value, ``http://${API_HOST}/...``): without it, the state of a job
+        against staging took production's for its own (``***`` both). Not of parameters,
+        whose ``${ENV}`` values may be keys under names not known as secret (``user_key``,
+        ``code``): another key is the same job. ``None`` where the host is in clear, or an
+        ``${ENV}`` of it is unset (``status``, ``--dry-run``: nothing to compare)."""
         try:
-            parts = urlsplit(self.url)
-            hidden = [f"{parts.scheme}://{parts.hostname}:{parts.port}"]
-        except ValueError:
-            hidden = [self.url]
-        if self.redact(hidden[0]) == hidden[0]:
-            hidden = []
-        hidden += [f"{k}={v}" for k, v in sorted(self.params.items())
-                   if not self.is_secret_param(k) and self.redact(str(v)) != str(v)]
-        if not hidden:
+            origin = urlsplit(self.url).netloc.rpartition("@")[2]  # (as written: a secret
+        except ValueError:                                        # redacts in its case)
             return None
-        return hashlib.sha256("\n".join(hidden).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        if self.redact(origin) == origin or UNSET_ENV in origin:
+            return None
+        return hashlib.sha256(origin.lower().encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
     def key_value(self, key: str) -> str:
         """What the ``key_header`` of a request carries for one of ``[request] keys``."""
@@ -939,14 +936,15 @@ def check_job(cfg: Config, job: dict[str, Any] | None) -> None:
     if job is None or cfg.reuse_state:
         return
     job = _as_redacted_now(cfg, job)
-    if "address" not in job:  # (a state of an earlier release: what it cannot tell apart)
-        now.pop("address", None)
+    if "address" not in job or "address" not in now:  # (a state of an earlier release, or an
+        job.pop("address", None)                         # ${ENV} of the host unset: nothing to
+        now.pop("address", None)                         # tell apart)
     if job == now:
         return
     keys = [k for k in ("method", "url", "params", "json", "body") if job.get(k) != now.get(k)]
     differ = [f"{k} {job.get(k)!r}" for k in keys]
     if job.get("address") != now.get("address"):
-        differ.append("its ${ENV} values in the URL's host or query parameters")
+        differ.append("the ${ENV} values in its URL's host")
     raise JobMismatch(
         f"the state {cfg.state_shown} belongs to another job ("
         + ", ".join(differ) + (("; this run has " + ", ".join(f"{k} {now[k]!r}" for k in keys))

@@ -583,26 +583,29 @@ def test_the_job_check_still_sees_ordinary_parameters_and_resumes_states_of_befo
     check_job(config("256"), before)
 
 
-def test_the_job_check_sees_env_values_in_the_host_and_the_parameters() -> None:
+def test_the_job_check_sees_env_values_in_the_host() -> None:
     """Every ${ENV} value is a secret, kept redacted in the state's job identity: a state of a
     job against ``http://${API_HOST}/...`` (staging) took production's for its own, settled
-    IDs and all. Another API key is still the same job."""
+    IDs and all. Another API key, in a parameter of any name, is still the same job; a host
+    unset (a dry run, status) is nothing to compare."""
     from asyncrawl import JobMismatch
-    from asyncrawl.config import check_job
+    from asyncrawl.config import UNSET_ENV, check_job
 
-    def config(host: str, region: str = "eu-west", key: str = "k-1234567") -> Config:
+    def config(host: str, key: str = "k-1234567") -> Config:
         return Config(url=f"http://{host}/items/{{id}}?api_key={key}",
-                      params={"region": region}, secrets=frozenset({host, region, key}),
+                      params={"user_key": key}, secrets=frozenset({host, key}),
                       state_dir="unused")
 
-    ident = config("staging.example.com").job_identity()
-    assert not any(v in str(ident) for v in ("staging", "eu-west", "k-1234567"))
-    check_job(config("staging.example.com", key="k-7654321"), ident)
-    for other in (config("prod.example.com"), config("staging.example.com", region="us-east")):
-        with pytest.raises(JobMismatch, match=r"\$\{ENV\} values in the URL's host or query"):
-            check_job(other, ident)
+    ident = config("Staging.Example.com").job_identity()
+    assert not any(v in str(ident).lower() for v in ("staging", "k-1234567"))
+    check_job(config("Staging.Example.com", key="k-7654321"), ident)
+    check_job(config("staging.example.com"), ident)
+    check_job(config(UNSET_ENV + "API_HOST"), ident)
+    for other in ("Prod.Example.com", "staging.example.com:8443"):
+        with pytest.raises(JobMismatch, match=r"\$\{ENV\} values in its URL's host"):
+            check_job(config(other), ident)
     before = {k: v for k, v in ident.items() if k != "address"}  # (an earlier release's)
-    check_job(config("prod.example.com"), before)
+    check_job(config("Prod.Example.com"), before)
 
 
 # -- 2. redirects: credentials never cross origins -----------------------------------------------
