@@ -61,7 +61,9 @@ _PARAM_NAMES = (
     r"|key|token|sig|appid|jwt")
 _SECRET_PARAM = re.compile(rf"^(?:{_PARAM_NAMES})$", re.I)
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NOT_ENV_REF = re.compile(r"\$\{(?![A-Za-z_][A-Za-z0-9_]*\})[^}]{0,30}\}?")  # ``${A:-b}``, ``${``
+# the shell's forms that are no ${NAME}: ``${KEY:-default}`` (``-=?+``, with or without ``:``),
+# ``${}``, and ``${KEY`` left open at the end (other text with a ``${`` is taken as written)
+_SHELL_FORM = re.compile(r"\$\{(?:([A-Za-z_][A-Za-z0-9_]*)(:?[-=?+]|$)|\})")
 # "Bearer abc", "Token abc", "Basic dXNlcjpwYXNz": the credential after an auth scheme word
 _SCHEME_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)\s+(\S.*)$", re.S)
 MIN_SECRET_LENGTH = 3  # shorter values would redact ordinary text everywhere
@@ -548,11 +550,12 @@ def expand_env(value: Any, key: str, path: Path | None, secrets: set[str], need_
     variable is an error, unless ``need_env`` is false (reading state sends nothing): then it
     reads as ``unset-env-VAR``."""
     if isinstance(value, str):
-        wrong = _NOT_ENV_REF.search(value) if key != "alerts.on_halt" else None  # (the
+        wrong = _SHELL_FORM.search(value) if key != "alerts.on_halt" else None  # (the
         if wrong:  # shell reads its own ${VAR:-x}; sent as it is, a header carried it as a key)
-            raise ConfigError(f"{wrong[0]!r} is no ${{NAME}} reference: only ${{NAME}} is read "
-                              "from the environment (no default, no other form)",
-                              key=key, path=path)
+            shown = ("${}" if wrong[1] is None else  # (never what follows: a default key)
+                     f"${{{wrong[1]}" + (f"{wrong[2]}...}}" if wrong[2] else " (not closed)"))
+            raise ConfigError(f"{shown} is no ${{NAME}} reference: only ${{NAME}} is read from "
+                              "the environment (no default, no other form)", key=key, path=path)
 
         def sub(m: re.Match[str]) -> str:
             var = m.group(1)

@@ -455,13 +455,19 @@ def test_an_at_sign_in_the_query_is_no_user_and_a_key_header_is_a_token() -> Non
         Config(url=URL, keys=["k1"], key_header="X-Clé")  # (400s for every request)
 
 
-@pytest.mark.parametrize("value", ["${KEY:-dflt}", "${}", "ab-${HOME"])
+@pytest.mark.parametrize("value", ["${KEY:-sk_live_4f9a8b7c}", "${KEY-x}", "${}", "ab-${HOME"])
 def test_a_reference_that_is_no_env_name_is_refused(tmp_path: Path, value: str) -> None:
-    """It went out as it was written: a header carried "${KEY:-dflt}" as the API key."""
+    """It went out as it was written: a header carried "${KEY:-dflt}" as the API key. The
+    message never quotes the default (a key, as often as not); other text with a ``${`` is
+    taken as written."""
     p = tmp_path / "c.toml"
     p.write_text(f'[request]\nurl = "http://h/{{id}}"\n[request.headers]\nX-Api-Key = "{value}"\n'
                  '[alerts]\non_halt = "echo ${ASYNCRAWL_T_UNSET:-none}"\n', encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"request\.headers\.X-Api-Key.*is no \$\{NAME\} reference"):
+    with pytest.raises(ConfigError, match=r"request\.headers\.X-Api-Key.*is no \$\{NAME\} reference"
+                       ) as e:
         Config.load(p)
+    assert "sk_live" not in str(e.value)
     p.write_text(p.read_text().replace(value, "plain"), encoding="utf-8")
     assert Config.load(p).on_halt == "echo ${ASYNCRAWL_T_UNSET:-none}"  # (the shell's own)
+    p.write_text(p.read_text().replace("plain", "Hello ${user.name} ab${9Zq"), encoding="utf-8")
+    assert Config.load(p).headers["X-Api-Key"] == "Hello ${user.name} ab${9Zq"
