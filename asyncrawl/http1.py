@@ -373,9 +373,8 @@ class _Connection(asyncio.Protocol):
             return False
         self.parser = self._parser()
         self.data_received(data[:end])
-        if self.waiter is not None:
-            self.data_received(data[end:])
-        return True
+        self.data_received(data[end:])  # (the answer whole already: bytes nobody asked for,
+        return True                     # and the connection is closed, not used again)
 
     def _parser(self) -> Any:
         return HttpResponseParser(

@@ -706,6 +706,20 @@ async def test_a_second_answer_after_a_body_does_not_replace_the_answer(raw, cli
     assert srv.connections == 2
 
 
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+                                  b"HTTP/1.1 204 No Content\r\n\r\n"])
+async def test_bytes_in_the_read_of_an_answer_whole_at_its_head_close_its_connection(
+        raw, client, head: bytes) -> None:
+    """The head parsed again by itself (a parser failure on what followed it) left the
+    connection fit for the next request, the stray bytes dropped: more of them would have
+    been read as the next (paid) request's answer."""
+    srv = await raw(answering(head + b"hello", keep=True))
+    a = await get(client, f"{srv.url}/1")
+    assert (a.status, a.body) == (int(head.split()[1]), b"")
+    await get(client, f"{srv.url}/2")
+    assert srv.connections == 2
+
+
 @pytest.mark.parametrize("answer_bytes", [
     (b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n", b'{"a": 1} '),
     (b"HTTP/1.1 503 Busy\r\nTransfer-Encoding: chunked\r\n\r\n", b"2\r\n{}\r\n0\r\n\r\nhello"),
