@@ -415,9 +415,11 @@ class Fetcher:
                 method, url, headers, body = req.method, cast(URL, req.url), req.headers, req.json
             timeout, began = self.timeout, time.monotonic()
             for hop in range(cfg.max_redirects + 1):
-                if hop:  # (``timeout`` bounds the whole attempt: its hops share it)
+                if hop:  # (``timeout`` bounds the whole attempt: its hops share it; a hop
+                    # with less than a tenth of it left is not sent: its answer, the paid one
+                    # as often as not, would come too late, and be bought again)
                     left = cfg.timeout - (time.monotonic() - began)
-                    if left <= 0:
+                    if left < 0.1 * cfg.timeout:
                         return Attempt(Outcome.RETRY, None, kind=ErrorKind.TIMEOUT, error=(
                             f"timeout: {cfg.timeout:g}s went in redirects (after {hop})"))
                     timeout = aiohttp.ClientTimeout(
