@@ -629,6 +629,30 @@ async def test_the_timeout_bounds_an_attempt_with_its_redirects(raw, lean: bool)
     assert len(srv.requests) <= 3
 
 
+@pytest.mark.parametrize("lean", [False, True])
+async def test_a_redirect_with_too_little_of_the_timeout_left_is_not_followed(
+        raw, lean: bool) -> None:
+    """A hop sent with a few ms left got its answer (the paid one, often) too late: in doubt,
+    and bought again."""
+    from asyncrawl.types import ErrorKind
+
+    async def answer(head: bytes, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(0.93)
+        writer.write(b"HTTP/1.1 302 Found\r\nLocation: /next\r\nContent-Length: 0\r\n\r\n")
+        return True
+
+    srv = await raw(answer)
+    async with aiohttp.ClientSession() as session:
+        fetcher = Fetcher(session, Config(url=f"{srv.url}/{{id}}", timeout=1.0), lean=lean)
+        try:
+            a = await fetcher.attempt("x")
+        finally:
+            fetcher.close()
+    assert a.kind is ErrorKind.TIMEOUT and not a.unanswered, a
+    assert len(srv.requests) == 1
+
+
 async def test_connects_at_once_to_one_host_share_its_lookup(
         raw, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crawl's first requests all connect at once: they wait for one lookup of the host
