@@ -711,8 +711,8 @@ def _dry_run(config: Config, ids_path: str) -> int:
             unique += len(fresh)
             states = await store.lookup(fresh) if store is not None and fresh else {}
             settled = sum(1 for item in fresh if states.get(item) in final)
-            open_ = [item for item in fresh if item in states and states[item] not in final]
-            if open_ and store is not None and not config.recheck_unavailable:
+            open_ = [item for item in fresh if states.get(item) not in final]  # (an ID cut
+            if open_ and store is not None and not config.recheck_unavailable:  # off: no state)
                 # (bought unusable 1 + paid_retries times: the run settles them without a call)
                 bought = await store.unusable(open_)
                 settled += sum(1 for b in bought.values() if b.unusable > config.paid_retries)

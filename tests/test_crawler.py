@@ -876,6 +876,13 @@ async def test_a_paid_answer_cut_off_before_its_retry_counts_in_the_next_run(
                                       jitter="none"))
         await stop_once_paid(crawler, ["junk"], api, "junk")
         assert db_rows(state, "SELECT state, paid, unusable FROM items") == [(None, 1, 1)]
+        (state.parent / "ids.txt").write_text("junk\n")  # (a dry run priced it, with none
+        (state.parent / "c.toml").write_text(  # left to buy: it looked at IDs with a state)
+            f'[source]\nids = "ids.txt"\n[request]\nurl = "{api.item_url}"\n'
+            f'[state]\ndir = "{state}"\n[retry]\npaid_retries = 0\n')
+        r = await asyncio.to_thread(cli, "run", "-c", str(state.parent / "c.toml"), "--dry-run",
+                                    cwd=state.parent)
+        assert "already done: 1; calls left: 0 " in r.stdout, r.stdout + r.stderr
         s = await Crawler(fast_config(api, state)).run(["junk"])
         assert (s.unavailable, answered_2xx(api, "junk")) == (1, 2)
 
