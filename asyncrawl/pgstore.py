@@ -77,6 +77,7 @@ from .records import (
     I_NOT_IN_DOUBT,
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
+    UNANSWERED_CALL,
     Bought,
     Counts,
     Record,
@@ -551,7 +552,8 @@ class PgStore:
                        "WHERE job = %s", (self.job_name,))
             # the intents of runs that died: in doubt (possibly billed)
             db.execute(f"UPDATE asyncrawl_items SET doubt = 0 WHERE job = %s AND {OPEN} "
-                       f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}", (self.job_name,))
+                       f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT} AND {UNANSWERED_CALL}",
+                       (self.job_name,))
             db.execute(f"UPDATE asyncrawl_items SET sent_run = NULL, lease_owner = NULL, "
                        f"lease_until = NULL WHERE job = %s AND (sent_run IS NOT NULL OR "
                        f"lease_owner IS NOT NULL) AND {OPEN} AND (lease_until IS NULL OR "
@@ -696,8 +698,8 @@ class PgStore:
         rows = db.execute(f"""
             UPDATE asyncrawl_items AS i SET lease_owner = %(run)s,
                 lease_until = {NOW} + %(lease)s,
-                doubt = CASE WHEN i.sent_run IS NOT NULL AND {I_NOT_IN_DOUBT} THEN 0
-                             ELSE i.doubt END,
+                doubt = CASE WHEN i.sent_run IS NOT NULL AND {I_NOT_IN_DOUBT}
+                                  AND i.{UNANSWERED_CALL} THEN 0 ELSE i.doubt END,
                 sent_run = NULL
             FROM (SELECT id FROM asyncrawl_items
                   WHERE job = %(job)s AND {_PASS[pass_no]}
@@ -1153,11 +1155,12 @@ class PgStore:
             live = self._runs_alive(db, LIVE)
             # the calls of the open intents not in doubt: in flight, or answered and to be
             # tried again
-            open_sent, open_unanswered, open_lost = db.execute(
+            open_doubt = f"count(*) FILTER (WHERE {UNANSWERED_CALL})" if has else "count(*)"
+            open_sent, open_unanswered, open_lost, open_doubtful = db.execute(
                 "SELECT count(*), count(*) FILTER (WHERE doubt = 2), "
-                f"coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0) FROM asyncrawl_items "
-                f"WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}",
-                (self.job_name,)).fetchone()
+                f"coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0), {open_doubt} "
+                f"FROM asyncrawl_items WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL "
+                f"AND {NOT_IN_DOUBT}", (self.job_name,)).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
             # the job's halt is the one of the run that ended last: a process stopped by a
@@ -1170,13 +1173,18 @@ class PgStore:
         counts = Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
                         unavailable=by.get("unavailable", 0))
         return Snapshot(counts=counts, sent=int(sent),
-                        in_doubt=doubt.get(0, 0) + (open_sent if not live else 0),
+                        in_doubt=doubt.get(0, 0) + (open_doubtful if not live else 0),
                         billed_twice=doubt.get(1, 0), in_flight=open_sent if live else 0,
                         runs=runs, halt=halt, job=self.job, running=live or None,
                         ledger=tuple(ledger), keys=keys,
                         unanswered=doubt.get(2, 0) - (open_unanswered if not live else 0),
                         unanswered_refetched=doubt.get(3, 0),
                         unsure_calls=unsure + int(open_lost))
+
+    def _dead_open(self, db: Any) -> str:
+        """A dead run's open intents that are in doubt (a job of an earlier release: all)."""
+        return f"{OPEN} AND sent_run IS NOT NULL" + (
+            f" AND {UNANSWERED_CALL}" if self._has_answered(db) else "")
 
     @staticmethod
     def _has_answered(db: Any) -> bool:
@@ -1222,7 +1230,7 @@ class PgStore:
             live = self._runs_alive(db, LIVE)
             query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IN (0, 1)"
             if not live:
-                query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
+                query += f" OR ({self._dead_open(db)})"
             rows = db.execute(query + ") ORDER BY id", (self.job_name,)).fetchall()
         for item, doubt in rows:
             yield item, doubt == 1
@@ -1232,7 +1240,7 @@ class PgStore:
             live = self._runs_alive(db, LIVE)
             query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND doubt IN (2, 3)"
             if not live:  # (a dead run's open intents are in doubt instead)
-                query += f" AND NOT ({OPEN} AND sent_run IS NOT NULL)"
+                query += f" AND NOT ({self._dead_open(db)})"
             rows = db.execute(query + " ORDER BY id", (self.job_name,)).fetchall()
         for item, doubt in rows:
             yield item, doubt == 3

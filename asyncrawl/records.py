@@ -68,6 +68,10 @@ _OK_ONLY = frozenset({"ok"})
 # got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An
 # ID a run is cut off on becomes in doubt where it is not already: this SQL condition.
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
+# an ID with a call whose answer the state does not know (schema 5: every answer counted, 2xx
+# in ``paid``, the rest in ``answered``): of a crashed run's open intents, only those are in
+# doubt (one waiting for its retry after a 503 has its answer, and is not possibly billed)
+UNANSWERED_CALL = "sends > paid + answered"
 I_NOT_IN_DOUBT = NOT_IN_DOUBT.replace("doubt", "i.doubt")  # (beside an upsert's ``excluded``)
 
 

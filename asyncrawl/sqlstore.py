@@ -75,6 +75,7 @@ from .records import (
     EXPORT_STATES,
     NOT_IN_DOUBT,
     OUTCOME_KINDS,
+    UNANSWERED_CALL,
     Bought,
     Counts,
     Record,
@@ -800,9 +801,11 @@ class SqliteStore:
             # tried again (schema 4 and before: one each)
             calls_open = f"coalesce(sum(min({lost}, 1)) FILTER (WHERE doubt IS NULL), 0)" \
                 if self._version >= 5 else "count(*) FILTER (WHERE doubt IS NULL)"
-            open_sent, open_unanswered, open_lost = db.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2), {calls_open} FROM items "
-                f"WHERE {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}").fetchone()
+            open_doubt = f"count(*) FILTER (WHERE {UNANSWERED_CALL})" if self._version >= 5 \
+                else "count(*)"  # (of a crashed run's: in doubt)
+            open_sent, open_unanswered, open_lost, open_doubtful = db.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE doubt = 2), {calls_open}, {open_doubt} "
+                f"FROM items WHERE {OPEN} AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}").fetchone()
             runs, = db.execute("SELECT count(*) FROM runs").fetchone()
             ids = self._unapplied_intents()
             unapplied, logged_unanswered = len(ids), 0
@@ -818,7 +821,7 @@ class SqliteStore:
         open_sent += unapplied
         crashed = running is None  # (its open intents: in doubt, unanswered or not)
         return Snapshot(counts=counts, sent=sent + unapplied,
-                        in_doubt=doubt.get(0, 0) + (open_sent if crashed else 0),
+                        in_doubt=doubt.get(0, 0) + (open_doubtful + unapplied if crashed else 0),
                         billed_twice=doubt.get(1, 0),
                         in_flight=open_sent if not crashed else 0, runs=runs, halt=halt,
                         job=self.job, running=running, ledger=tuple(ledger), keys=keys,
@@ -886,7 +889,7 @@ class SqliteStore:
         running = self._held()
         query = "SELECT id, doubt FROM items WHERE doubt IN (0, 1)"
         if not running:  # a crashed run's open intents, not yet closed by a new run
-            query += f" OR ({OPEN} AND sent_run IS NOT NULL)"
+            query += f" OR ({self._crashed_open})"
         with self._reading():
             for item, doubt in self._db.execute(query + " ORDER BY rowid"):
                 yield item, doubt == 1
@@ -898,12 +901,18 @@ class SqliteStore:
         running = self._held()
         query = "SELECT id, doubt FROM items WHERE doubt IN (2, 3)"
         if not running:  # (a crashed run's open intents are in doubt instead)
-            query += f" AND NOT ({OPEN} AND sent_run IS NOT NULL)"
+            query += f" AND NOT ({self._crashed_open})"
         with self._reading():
             cut = set() if running else set(self._unapplied_intents())  # (in doubt instead)
             for item, doubt in self._db.execute(query + " ORDER BY rowid"):
                 if item not in cut:
                     yield item, doubt == 3
+
+    @property
+    def _crashed_open(self) -> str:
+        """A crashed run's open intents that are in doubt (before schema 5: all)."""
+        return f"{OPEN} AND sent_run IS NOT NULL" + (
+            f" AND {UNANSWERED_CALL}" if self._version >= 5 else "")
 
     def _unapplied_intents(self) -> list[str]:
         """The IDs whose ``sent`` intent ``intents.log`` holds beyond what the database has
@@ -918,7 +927,7 @@ class SqliteStore:
             return []
         known = set(orjson.loads(self._db.execute(
             "SELECT json_group_array(id) FROM items WHERE id IN (SELECT value FROM json_each(?)) "
-            "AND (state IN ('ok', 'unavailable') OR sent_run IS NOT NULL OR doubt IN (0, 1))",
+            f"AND (state IN ('ok', 'unavailable') OR ({self._crashed_open}) OR doubt IN (0, 1))",
             (orjson.dumps(ids).decode(),)).fetchone()[0]))
         return [item for item in ids if item not in known]
 
@@ -1201,8 +1210,9 @@ def _same_file(a: Any, b: dict[str, Any]) -> bool:
 
 
 def _close_open_intents(db: sqlite3.Connection) -> None:
+    """A crashed run's open intents: in doubt where a call has no answer known, closed."""
     db.execute(f"UPDATE items SET doubt = 0 WHERE {OPEN} AND sent_run IS NOT NULL AND "
-               f"{NOT_IN_DOUBT}")
+               f"{NOT_IN_DOUBT} AND {UNANSWERED_CALL}")
     db.execute(f"UPDATE items SET sent_run = NULL WHERE {OPEN} AND sent_run IS NOT NULL")
 
 

@@ -195,13 +195,17 @@ class StateReader:
 
     def run_in_flight(self, index: int) -> tuple[set[str], set[str]]:
         """(sent, in flight) of the ``index``-th run (the last one, before the next run opens the
-        state): IDs settled by it or with an open intent; those with an open intent."""
+        state): IDs settled by it or with an open intent; those with an open intent and a call
+        whose answer the state does not know (one answered 503 and waiting for its retry is
+        sent, not in flight: not in doubt), or an intent only the log holds."""
         started = self.runs[index][1]
-        flying = {i for i, in self._rows("SELECT id FROM items WHERE sent_run IS NOT NULL")}
+        open_ = {i for i, in self._rows("SELECT id FROM items WHERE sent_run IS NOT NULL")}
+        flying = {i for i, in self._rows(
+            "SELECT id FROM items WHERE sent_run IS NOT NULL AND sends > paid + answered")}
         flying |= self.logged_open()
         settled = {i for i, in self._rows(
             f"SELECT id FROM items WHERE state IS NOT NULL AND fetched_at >= {started!r}")}
-        return settled | flying, flying
+        return settled | open_ | flying, flying
 
 
 # -- the mock's log ----------------------------------------------------------------------------

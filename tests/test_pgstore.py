@@ -1584,3 +1584,29 @@ def test_a_run_joining_runs_at_work_leaves_the_job_s_identity(job: str) -> None:
             await c.close()
 
     asyncio.run(go())
+
+
+def test_a_dead_run_s_id_whose_calls_were_all_answered_is_not_in_doubt(job: str) -> None:
+    """As in the SQLite store: an ID answered 503 and waiting for its retry when its run died
+    had every call answered, none billed; it was listed in doubt ("possibly billed")."""
+    import psycopg
+
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        a = await _run_of(job, 1)
+        await a.merge(["waits", "out"])
+        assert len(await a.claim(1, 10)) == 2
+        a.commit([Record.sent("waits"), Record.sent("out"), Record.answered("waits")])
+        with psycopg.connect(PG, autocommit=True) as db:  # (a dies: no heartbeat since)
+            db.execute("UPDATE asyncrawl_runs SET heartbeat = heartbeat - 3600 WHERE run = %s",
+                       (a._run,))
+        await a.close()
+        reader = read_store(PG, job=job)
+        assert dict(reader.in_doubt()) == {"out": False} and reader.snapshot().in_doubt == 1
+        b = await _run_of(job, 2)  # a new generation closes the dead run's intents
+        await b.close()
+        reader = read_store(PG, job=job)
+        assert dict(reader.in_doubt()) == {"out": False} and reader.snapshot().in_doubt == 1
+
+    asyncio.run(go())
