@@ -20,9 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from .errors import StorageError, require_extra, temp_beside
+from .records import json_text
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
@@ -60,8 +59,10 @@ def _column_type(kinds: set[str]) -> str:
 
 def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
                   columns: list[str] | None, get: Callable[[dict[str, Any], str], Any],
-                  missing: object) -> int:
-    """Write the rows of ``rows()`` (called twice) to ``path``; return how many."""
+                  missing: object, *, empty: list[str]) -> int:
+    """Write the rows of ``rows()`` (called twice) to ``path``; return how many. ``empty``:
+    the columns where there are no rows and no ``columns`` (a file with no column at all,
+    not even ``id``, broke what reads it by name)."""
     pa, pq = _pyarrow()
     kinds: dict[str, set[str]] = {}
     if columns is not None:
@@ -78,6 +79,8 @@ def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
                 v = get(row, c)
                 if v is not missing and v is not None:
                     kinds[c].add(_kind(v))
+    if not kinds:
+        kinds = {c: set() for c in empty}
     types = {c: _column_type(k) for c, k in kinds.items()}
     arrow = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string(),
              "json": pa.string()}
@@ -87,7 +90,7 @@ def write_parquet(rows: Callable[[], Iterator[dict[str, Any]]], path: Path,
         if v is missing or v is None:
             return None
         if t == "json":
-            return orjson.dumps(v).decode()
+            return json_text(v)
         if t == "float":
             return float(v)
         return v

@@ -36,6 +36,8 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 from __future__ import annotations
 
 import enum
+import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +69,15 @@ _OK_ONLY = frozenset({"ok"})
 # kept), 1 (in doubt and fetched ok since: possibly billed twice), 2 (``unanswered``: a request
 # got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An
 # ID a run is cut off on becomes in doubt where it is not already: this SQL condition.
+def json_text(value: Any) -> str:
+    """``value`` as compact JSON text (an integer past 64 bits too, which orjson refuses)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+_LONG_DIGITS = re.compile(rb"\d{20}")  # (a number orjson may not read exactly: past 2**64)
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
 # an ID with a call whose answer the state does not know (schema 5: every answer counted, 2xx
 # in ``paid``, the rest in ``answered``): of a crashed run's open intents, only those are in
@@ -187,8 +198,12 @@ class Record(_RecordFields):
 
     @property
     def payload(self) -> Any:
-        """An ``ok`` record's payload: ``data``, else the parsed ``raw`` body."""
+        """An ``ok`` record's payload: ``data``, else the parsed ``raw`` body (an integer past
+        64 bits kept whole: orjson reads it as a float, and CSV and Parquet exports wrote
+        ``1.2345678901234568e+22`` for ``12345678901234567890123``)."""
         if self.data is None and self.raw is not None:
+            if _LONG_DIGITS.search(self.raw):
+                return json.loads(self.raw)
             return orjson.loads(self.raw)
         return self.data
 

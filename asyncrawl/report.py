@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import itertools
+import logging
 import os
 import stat
 import threading
@@ -24,11 +25,13 @@ from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
 from .live import read_live
 from .progress import halt_text
-from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record, json_text
 from .store import read_store
 from .types import Halt
 
 __all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
+log = logging.getLogger("asyncrawl")
+
 STALE_LIVE = 5.0  # seconds after which a running job's live figures are said to be old
 
 
@@ -211,7 +214,8 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         if special:  # (pyarrow seeks in what it writes)
             raise ConfigError(f"--format parquet writes a regular file; {path} is not one",
                               key="--output")
-        return write_parquet(rows, target, fields, _get, _MISSING)
+        return write_parquet(rows, target, fields, _get, _MISSING,
+                             empty=_COLUMNS.get(outcome, ["id"]))
     if fmt == "ids" and outcome not in _ID_LISTS:
         blocks = read_store(config.state, job=config.job).ids(outcome)
         return _emit(lambda f: _write_ids(blocks, f), out, path)
@@ -391,8 +395,12 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
            fields: list[str] | None, out: TextIO) -> int:
     n = 0
     writer = None
+    cols: list[str] = []
+    left_out = 0  # rows with fields that no column holds (``_csv_columns``)
     if fmt == "csv" and fields:
         records = _check_fields(records, fields, lambda rec: _row(rec, outcome))
+    elif fmt == "csv":
+        cols, records = _csv_columns(records, outcome)
     for rec in records:
         n += 1
         if fmt == "ids":
@@ -402,13 +410,33 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
         else:
             row = _row(rec, outcome)
             if writer is None:
-                cols = fields or list(row)
+                cols = fields or cols
                 writer = csv.writer(out)
                 writer.writerow(cols)
+            if not fields and not row.keys() <= set(cols):
+                left_out += 1
             writer.writerow([_cell(_get(row, c)) for c in cols])
+    if left_out:
+        log.warning("--format csv: %s of %s records had fields that no column holds (the columns "
+                    "are the fields of the first %s records): those fields are left out; name "
+                    "them with --fields, or use --format jsonl", f"{left_out:,}", f"{n:,}",
+                    LOOKAHEAD)
     if fmt == "csv" and writer is None:  # no rows: still the header, for what reads it
         csv.writer(out).writerow(fields or _COLUMNS.get(outcome, ["id"]))
     return n
+
+
+def _csv_columns(records: Iterator[dict[str, Any]], outcome: str
+                 ) -> tuple[list[str], Iterator[dict[str, Any]]]:
+    """The columns of a CSV export without ``--fields``: the top-level fields of the first
+    ``LOOKAHEAD`` records in the order they first come (those of the first record only, before:
+    a payload that is no object, after one that is, lost its whole row, and the other way
+    round), and ``records`` again."""
+    head = list(itertools.islice(records, LOOKAHEAD))
+    cols: dict[str, None] = {}
+    for rec in head:
+        cols.update(dict.fromkeys(_row(rec, outcome)))
+    return list(cols), itertools.chain(head, records)
 
 
 # the columns of each outcome's rows where they do not depend on the payloads (_plain, _records)
@@ -439,7 +467,7 @@ def _cell(v: Any) -> str:
     if v is None or v is _MISSING:
         return ""
     if isinstance(v, dict | list | bool):
-        return orjson.dumps(v).decode()
+        return json_text(v)
     return str(v)
 
 

@@ -131,3 +131,46 @@ def test_an_export_into_a_fifo_a_device_or_a_link_leaves_them_what_they_are(
     os.symlink(target.name, link)
     assert export(cfg, fmt=fmt, path=str(link)) == 3
     assert link.is_symlink() and target.stat().st_size > 10
+
+
+def _raw_state(tmp_path: Path, bodies: dict[str, bytes]) -> Config:
+    state = settled_state(tmp_path / "state", [Record("ok", k, status=200, raw=v, paid=1, tries=1)
+                                               for k, v in bodies.items()])
+    return Config(url="http://unused/{id}", state_dir=str(state))
+
+
+def test_csv_columns_hold_every_payload_of_the_first_records_and_big_integers_whole(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The columns were the first record's fields only: a payload that is no object after one
+    that is (or the other way round) lost its whole row, with exit 0 and nothing said; and an
+    integer past 64 bits came out as 1.2345678901234568e+22."""
+    cfg = _raw_state(tmp_path, {"c": b"[1, 2, 3]", "a": b'{"name": "a", "n": 12345678901234567890123}',
+                                "e": b'"just a string"'})
+    rows = _csv(cfg)
+    assert rows[0] == ["id", "data", "name", "n"]
+    assert sorted(rows[1:]) == [["a", "", "a", "12345678901234567890123"],
+                                ["c", "[1,2,3]", "", ""], ["e", "just a string", "", ""]]
+    assert "no column holds" not in caplog.text
+
+
+def test_parquet_keeps_big_integers_and_an_empty_export_its_columns(tmp_path: Path) -> None:
+    """Past 64 bits: '1.2345678901234568e+22'; with no rows, a file with no column at all."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    cfg = _raw_state(tmp_path, {"a": b'{"n": 12345678901234567890123, "deep": [98765432109876543210987]}'})
+    out = tmp_path / "x.parquet"
+    assert export(cfg, fmt="parquet", path=str(out)) == 1
+    assert pq.read_table(out).to_pylist() == [
+        {"id": "a", "n": "12345678901234567890123", "deep": "[98765432109876543210987]"}]
+    assert export(cfg, outcome="failed", fmt="parquet", path=str(out)) == 0
+    assert pq.read_table(out).column_names == ["id", "status", "error"]
+
+
+def test_csv_says_when_fields_past_the_first_records_are_left_out(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from asyncrawl.report import LOOKAHEAD
+
+    bodies = {f"k{i:03d}": b'{"a": 1}' for i in range(LOOKAHEAD)} | {"late": b'{"a": 1, "b": 2}'}
+    with caplog.at_level("WARNING", logger="asyncrawl"):
+        rows = _csv(_raw_state(tmp_path, bodies))
+    assert rows[0] == ["id", "a"] and len(rows) == LOOKAHEAD + 2
+    assert "1 of 101 records had fields that no column holds" in caplog.text
