@@ -991,8 +991,17 @@ def _line_of(text: str, key: str | None) -> int | None:
         table, name = key.strip("[]"), None
     elif "." in key:
         table, name = key.split(".", 1)
+        if "." in name:  # a key of a table of its own: [request.headers] X-Api-Key = ...
+            line = _find_line(text, *key.rsplit(".", 1))
+            if line is not None:
+                return line
     else:
         table, name = "", key  # a key outside any section
+    return _find_line(text, table, name)
+
+
+def _find_line(text: str, table: str, name: str | None) -> int | None:
+    """``_line_of``'s search: ``name = ...`` under ``[table]`` (or ``[table]`` itself)."""
     current = ""
     for number, line in enumerate(text.splitlines(), 1):
         header = _TABLE.match(line)
