@@ -510,7 +510,9 @@ def _userinfo(url: str) -> set[str]:
         parts = urlsplit(url)
     except ValueError:  # (malformed: ``http://u:pw@[::1``, quoted back in its error)
         userinfo = url.partition("://")[2].rpartition("@")[0]
-        return {userinfo, userinfo.partition(":")[2]} if ":" in userinfo else set()
+        if ":" not in userinfo or any(c in userinfo for c in "/?#[]"):  # (no userinfo: an
+            return set()                                                 # "@" past the host)
+        return {userinfo, userinfo.partition(":")[2]}
     if parts.password:
         return {parts.password, parts.netloc.rpartition("@")[0]}
     return set()

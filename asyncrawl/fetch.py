@@ -421,7 +421,8 @@ class Fetcher:
                     left = cfg.timeout - (time.monotonic() - began)
                     if left < 0.1 * cfg.timeout:
                         return Attempt(Outcome.RETRY, None, kind=ErrorKind.TIMEOUT, error=(
-                            f"timeout: {cfg.timeout:g}s went in redirects (after {hop})"))
+                            f"timeout: {cfg.timeout:g}s all but spent after {hop} "
+                            f"redirect{'s' if hop > 1 else ''}"))
                     timeout = aiohttp.ClientTimeout(
                         total=left, sock_connect=min(self.timeout.sock_connect or left, left),
                         sock_read=self.timeout.sock_read)
