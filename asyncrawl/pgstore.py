@@ -903,6 +903,8 @@ class PgStore:
     async def unusable(self, ids: Sequence[str]) -> dict[str, Bought]:
         def go() -> dict[str, Bought]:
             with self._db("work", "read the job") as db:
+                if not self._has_answered(db):  # (a job of an earlier release: none counted)
+                    return {}
                 return {r[0]: Bought(*r[1:]) for r in db.execute(
                     "SELECT id, unusable, status, error, coalesce(tries, 0) FROM "
                     "asyncrawl_items WHERE job = %s AND id = ANY(%s) AND unusable > 0",

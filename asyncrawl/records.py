@@ -77,7 +77,7 @@ def json_text(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-_LONG_DIGITS = re.compile(rb"\d{20}")  # (a number orjson may not read exactly: past 2**64)
+_LONG_DIGITS = re.compile(rb"\d{19}")  # (a number orjson may not read exactly: below -2**63 too)
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
 # an ID with a call whose answer the state does not know (schema 5: every answer counted, 2xx
 # in ``paid``, the rest in ``answered``): of a crashed run's open intents, only those are in

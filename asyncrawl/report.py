@@ -411,9 +411,10 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
             row = _row(rec, outcome)
             if writer is None:
                 cols = fields or cols
+                col_set = set(cols)
                 writer = csv.writer(out)
                 writer.writerow(cols)
-            if not fields and not row.keys() <= set(cols):
+            if not fields and not row.keys() <= col_set:
                 left_out += 1
             writer.writerow([_cell(_get(row, c)) for c in cols])
     if left_out:

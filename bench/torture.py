@@ -143,6 +143,7 @@ class StateReader:
     what was committed readable; nothing of an unfinished transaction)."""
 
     def __init__(self, state: Path) -> None:
+        self.open_answered: set[str] = set()  # (``run_in_flight``'s)
         self.path = state / DB
         self.wal = state / (DB + "-wal")
         self.runs: list[tuple[int, float]] = []  # (pid, started) of each run
@@ -205,6 +206,7 @@ class StateReader:
         flying |= self.logged_open()
         settled = {i for i, in self._rows(
             f"SELECT id FROM items WHERE state IS NOT NULL AND fetched_at >= {started!r}")}
+        self.open_answered = open_ - flying  # (checked against the mock's log by the caller)
         return settled | open_ | flying, flying
 
 
@@ -328,6 +330,15 @@ def torture(*, kills: int, n_ids: int, concurrency: int = 16, payload_bytes: int
             missing = unsettled_received - flying
             report.check(not missing, f"kill {k}: the mock received {len(missing)} IDs with no "
                                       f"durable 'sent' record / not in doubt: {sorted(missing)[:5]}")
+            # an open intent left out of doubt as answered: every request of it this run must
+            # have had an answer from the mock that is no 2xx (the state's own count, checked)
+            asked = collections.Counter(e.id for e in log[start:] if e.event == "start")
+            refused = collections.Counter(e.id for e in log[start:] if e.event == "end"
+                                          and e.status and not 200 <= e.status < 300)
+            wrong = sorted(i for i in (journal.open_answered if new_runs else ())
+                           if asked[i] != refused[i])
+            report.check(not wrong, f"kill {k}: open intents taken for answered that the mock "
+                                    f"did not answer, or answered 2xx: {wrong[:5]}")
             billed = billed_answers(log, start, None, seen_200)
             lost = set(billed) - durable_ok
             report.check(lost <= flying, f"kill {k}: billed answers lost with the process are not "

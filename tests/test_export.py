@@ -145,11 +145,12 @@ def test_csv_columns_hold_every_payload_of_the_first_records_and_big_integers_wh
     that is (or the other way round) lost its whole row, with exit 0 and nothing said; and an
     integer past 64 bits came out as 1.2345678901234568e+22."""
     cfg = _raw_state(tmp_path, {"c": b"[1, 2, 3]", "a": b'{"name": "a", "n": 12345678901234567890123}',
-                                "e": b'"just a string"'})
+                                "e": b'"just a string"', "m": b'{"n": -9223372036854775809}'})
     rows = _csv(cfg)
     assert rows[0] == ["id", "data", "name", "n"]
     assert sorted(rows[1:]) == [["a", "", "a", "12345678901234567890123"],
-                                ["c", "[1,2,3]", "", ""], ["e", "just a string", "", ""]]
+                                ["c", "[1,2,3]", "", ""], ["e", "just a string", "", ""],
+                                ["m", "", "", "-9223372036854775809"]]  # (19 digits, below -2**63)
     assert "no column holds" not in caplog.text
 
 

@@ -1610,3 +1610,38 @@ def test_a_dead_run_s_id_whose_calls_were_all_answered_is_not_in_doubt(job: str)
         assert dict(reader.in_doubt()) == {"out": False} and reader.snapshot().in_doubt == 1
 
     asyncio.run(go())
+
+
+def test_a_dry_run_reads_a_job_of_an_earlier_release(tmp_path: Path) -> None:
+    """The dry run asks how often each ID's paid answer was unusable: on a job whose tables
+    have no such column yet (no run of this release has opened it), the query failed (exit 5)."""
+    import psycopg
+
+    from asyncrawl.pgstore import PgStore
+    from asyncrawl.records import Record
+
+    schema = f"older_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG, autocommit=True) as db:
+        db.execute(f"CREATE SCHEMA {schema}")
+    url = f"{PG}{'&' if '?' in PG else '?'}options=-csearch_path%3D{schema}"
+
+    async def go() -> None:
+        store = await PgStore.open(url, "older")
+        try:
+            store.commit([Record("run", extra={"version": "t", "pid": 1, "job": None})])
+            await store.merge(["a", "b"])
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"ALTER TABLE {schema}.asyncrawl_items DROP COLUMN answered, "
+                       "DROP COLUMN unusable")
+        ids = write_ids(tmp_path / "ids.txt", ["a", "b", "c"])
+        r = cli("run", "--url", "http://127.0.0.1:9/{id}", "--ids", str(ids), "--state", url,
+                "--job", "older", "--dry-run", cwd=tmp_path)
+        assert r.returncode == 0 and "calls left: 3" in r.stdout, r.stdout + r.stderr
+    finally:
+        with psycopg.connect(PG, autocommit=True) as db:
+            db.execute(f"DROP SCHEMA {schema} CASCADE")
