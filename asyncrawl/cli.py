@@ -443,7 +443,11 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
             leaving.append(loop.create_task(_leave_a_stalled_store(crawler, signals[0],
                                                                    before=last_words)))
 
-    def last_words() -> None:  # (what the finally below does, before an exit that skips it)
+    def last_words() -> None:
+        """The live view closed and the last interval's errors logged, before the summary
+        and the halt line (or before an exit that skips them: ``_leave_a_stalled_store``)."""
+        for h in consoles:
+            h.live = None
         if live is not None:
             live.close()
         drain_errors()
@@ -465,11 +469,7 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
         for task in leaving:
             task.cancel()
         await asyncio.gather(*leaving, return_exceptions=True)
-        for h in consoles:
-            h.live = None
-        if live is not None:
-            live.close()
-        drain_errors()  # the last interval's errors, before the summary and the halt line
+        last_words()
     return summary, errors.top(3)
 
 

@@ -45,6 +45,11 @@ def without_credentials(text: str) -> str:
     return text
 
 
+def password_params(text: str) -> list[str]:
+    """The values of the ``password=`` parameters in ``text`` (unquoted)."""
+    return [m[2].strip("'") for m in _PASSWORD_PARAM.finditer(text)]
+
+
 class AsyncrawlError(Exception):
     """Root of every error asyncrawl raises on purpose."""
 

@@ -69,8 +69,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from .config import endpoint_of, is_url
-from .errors import ConfigError, StorageError, require_extra, without_credentials
+from .config import _userinfo, endpoint_of, is_url
+from .errors import (
+    ConfigError,
+    StorageError,
+    password_params,
+    require_extra,
+    without_credentials,
+)
 from .records import (
     COUNTED,
     EXPORT_STATES,
@@ -294,16 +300,12 @@ def safe_url(url: str) -> str:
 def _scrubbed(text: str, url: str) -> str:
     """libpq's message without the password of ``url``: it quotes the URI it refuses, or the
     token of it that it cannot read (a password with a stray ``%``)."""
+    forms = {form for password in (*_userinfo(url), *password_params(url))
+             for form in (password, unquote(password)) if len(form) >= 3}
     text = without_credentials(text)
-    userinfo = url.partition("://")[2].rpartition("@")[0]
-    for password in (userinfo.partition(":")[2], *_PASSWORD_PARAM.findall(url)):
-        for form in sorted({password, unquote(password)}, key=len, reverse=True):
-            if len(form) >= 3:
-                text = text.replace(form, "***")
+    for form in sorted(forms, key=len, reverse=True):
+        text = text.replace(form, "***")
     return text
-
-
-_PASSWORD_PARAM = re.compile(r"password=([^&\s]*)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +347,7 @@ class PgStore:
         self._refused: set[str] = set()  # IDs whose intent the commit under way refused
         self._locks = {name: threading.Lock() for name in conns}
         self._for_run = "writer" in conns  # (a run's connections, not a reader's)
+        self._answered_kept = False  # (``_has_answered``)
         self._stale: set[str] = set()  # connections lost and not made again yet
         # a transaction's ID, and its status once its connection was lost (PostgreSQL 13+;
         # before: the txid_* functions)
@@ -1188,14 +1191,16 @@ class PgStore:
         return f"{OPEN} AND sent_run IS NOT NULL" + (
             f" AND {UNANSWERED_CALL}" if self._has_answered(db) else "")
 
-    @staticmethod
-    def _has_answered(db: Any) -> bool:
+    def _has_answered(self, db: Any) -> bool:
         """Whether the job's items table has the ``answered`` column (a reader of a database
-        no run of this release has opened does without)."""
-        return bool(db.execute(
-            "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
-            "current_schema() AND table_name = 'asyncrawl_items' AND column_name = 'answered'"
-        ).fetchone()[0])
+        no run of this release has opened does without; a run's store made it). Asked of the
+        database until it says yes: then it stays so."""
+        if not self._answered_kept:
+            self._answered_kept = self._for_run or bool(db.execute(
+                "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+                "current_schema() AND table_name = 'asyncrawl_items' AND column_name = 'answered'"
+            ).fetchone()[0])
+        return self._answered_kept
 
     def records(self, outcome: str) -> Iterator[Record]:
         want = list(EXPORT_STATES[outcome])
