@@ -41,6 +41,7 @@ from aiolimiter import AsyncLimiter
 
 PROVEN_FOR = 120.0  # seconds a figure of what the server takes holds without a stretch showing it
 SETTLE = 1.0  # seconds after a cut (with no pause of the server's) whose requests' 429s open no episode
+RESUME_AFTER = 2  # answers accepting requests sent after the one refused that end its pause
 
 
 class RateController:
@@ -103,11 +104,12 @@ class RateController:
     """
 
     __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
-                 "_last_cut", "_last_raise", "_limited", "_limited_recent", "_own_cut", "_pause_end",
-                 "_paused", "_proven", "_proven_at", "_recent", "_recent_at_episode", "_sent",
+                 "_held_by", "_held_took", "_last_cut", "_last_raise", "_limited",
+                 "_limited_recent", "_own_cut", "_pause_end", "_paused", "_proven",
+                 "_proven_at", "_recent", "_recent_at_episode", "_sent",
                  "_settle", "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
                  "_stretch_took", "_sure_share", "background", "ceiling", "cuts", "max_rate",
-                 "min_rate", "rate", "shared")
+                 "min_rate", "rate", "resumed", "shared")
 
     def __init__(self, *, max_rate: float, min_rate: float | None = None, now: float = 0.0) -> None:
         self.max_rate = max_rate
@@ -142,6 +144,12 @@ class RateController:
         self._stretch_took = 0  # accepted answers to requests sent since then
         self._stretch_paused = 0.0  # time paused since then
         self._episode_answers = 0  # answers since the open episode began
+        # A pause of the server's that one of our answers began (``on_pause``'s ``cause``),
+        # under way: when the latest request it refused was sent, and how many answers have
+        # accepted requests sent after that one (``RESUME_AFTER`` of them end the pause)
+        self._held_by: float | None = None
+        self._held_took = 0
+        self.resumed = False  # a pause ended early: the governor lets requests go again
 
     def __repr__(self) -> str:
         return (f"<RateController rate={self.rate:.2f}/{self.max_rate:g} ceiling={self.ceiling} "
@@ -159,18 +167,35 @@ class RateController:
         self._sent += 1
         self._maybe_raise(now)
 
-    def on_pause(self, start: float, end: float) -> None:
-        """The job is paused from ``start`` to ``end``: not sending, so not counted as time."""
+    def on_pause(self, start: float, end: float, cause: float | None = None) -> None:
+        """The job is paused from ``start`` to ``end``: not sending, so not counted as time.
+        ``cause``: when the request was sent whose answer asked for this pause (None: another
+        process's pause, or the upstream's). The server taking requests sent after the one it
+        refused ends such a pause early (``on_response``)."""
+        if cause is not None and (self._held_by is not None or end >= self._pause_end):
+            self._held_by = cause if self._held_by is None else max(self._held_by, cause)
+            self._held_took = 0
+        elif cause is None and end > self._pause_end:
+            self._held_by = None  # (a pause of someone else's: it runs its course)
         self._paused += end - start
         self._stretch_paused += end - start
         self._pause_end = max(self._pause_end, end)
         if self._decide_at is not None:
             self._decide_at = max(self._decide_at, end)
 
-    def on_response(self, now: float, sent_at: float, limited: bool, asked: bool = False) -> None:
+    def on_response(self, now: float, sent_at: float, limited: bool, asked: bool = False,
+                    failed: bool = False) -> None:
         """Record an answer; ``limited``: the server said "too many requests"; ``asked``: the
-        answer carried a ``Retry-After``."""
+        answer carried a ``Retry-After``; ``failed``: another retryable failure (a 5xx)."""
         self.background += (limited - self.background) / 2000.0
+        held = self._held_by
+        if held is not None and sent_at > held and now < self._pause_end:
+            if limited or failed:  # (refused too: the server still holds the job back)
+                self._held_by, self._held_took = sent_at, 0
+            else:
+                self._held_took += 1
+                if self._held_took >= RESUME_AFTER:
+                    self._resume(now)
         if asked:
             self._asked.append(now)
         if limited:
@@ -206,6 +231,21 @@ class RateController:
         self.tick(now)
         if not limited:
             self._maybe_raise(now)
+
+    def _resume(self, now: float) -> None:
+        """End the pause under way now: the server has taken requests sent after the last one
+        it refused, so it was not holding back the job (a per-item 429: one item's lock, a
+        hot key) or it no longer is (its window was reset). The rest of the pause is no time
+        paused, and the episode is judged soon (with no pause, a lone 429 at a rate the server
+        takes cuts nothing: ``_cut``)."""
+        rest = self._pause_end - now
+        self._paused = max(0.0, self._paused - rest)
+        self._stretch_paused = max(0.0, self._stretch_paused - rest)
+        self._pause_end = now
+        if self._decide_at is not None:
+            self._decide_at = min(self._decide_at, now + 0.25)
+        self._held_by = None
+        self.resumed = True
 
     def _clean_stretch(self, now: float, sent_at: float) -> None:
         """A 429 ends a stretch without one: what the server took in it bounds a quota from
@@ -575,12 +615,13 @@ class Lane:
         if c is not None:
             c.reshare(rate)
 
-    def pause(self, now: float, until: float, *, held_until: float = 0.0) -> None:
+    def pause(self, now: float, until: float, *, held_until: float = 0.0,
+              cause: float | None = None) -> None:
         """Hold this lane until ``until``; ``held_until``: the job is paused until then anyway
-        (that time is not counted twice as paused)."""
+        (that time is not counted twice as paused); ``cause``: ``RateController.on_pause``'s."""
         start = max(now, self.paused_until, held_until)
         if until > start and self.controller is not None:
-            self.controller.on_pause(start, until)
+            self.controller.on_pause(start, until, cause)
         self.paused_until = max(self.paused_until, until)
 
 
@@ -671,15 +712,17 @@ class Governor:
         self._sent = False
         self.share(self.runs)
 
-    def pause(self, seconds: float) -> None:
-        """Hold every new request for ``seconds`` (extends, never shortens, a pause)."""
+    def pause(self, seconds: float, cause: float | None = None) -> None:
+        """Hold every new request for ``seconds`` (extends, never shortens, a pause);
+        ``cause``: with one key, ``RateController.on_pause``'s."""
         now = self._loop.time()
         until = now + seconds
         if until > self.paused_until:
+            cause = cause if self._single else None
             for lane in self.lanes:
                 start = max(now, self.paused_until, lane.paused_until)
                 if until > start and lane.controller is not None:
-                    lane.controller.on_pause(start, until)
+                    lane.controller.on_pause(start, until, cause)
             self.paused_until = until
 
     @property
@@ -853,17 +896,24 @@ class Governor:
         c = lane.controller
         asked = retry_after is not None and (limited or failed)
         if c is not None:
-            c.on_response(now, ticket.sent_at, limited, asked)
+            c.on_response(now, ticket.sent_at, limited, asked, failed)
+            if c.resumed:  # the server took requests sent after the one it refused
+                c.resumed = False
+                if self._single:
+                    self.paused_until = min(self.paused_until, now)
+                else:
+                    lane.paused_until = min(lane.paused_until, now)
         # A Retry-After holds every request when the server is holding back the job; a lone
         # one (one item's lock, a stray 429 among hundreds of 200s) holds only its own item,
         # which the worker parks for that long. Without the adaptive rate: every one. With
-        # several keys, a 429 holds back its own key.
+        # several keys, a 429 holds back its own key. Either pause ends early when answers
+        # show the server taking requests sent after the refused one (``RateController``).
         if asked and (c is None or c.limiting(now)):
             if limited and not self._single:
                 lane.pause(now, now + retry_after,  # type: ignore[operator]
-                           held_until=self.paused_until)
+                           held_until=self.paused_until, cause=ticket.sent_at)
             else:
-                self.pause(retry_after)  # type: ignore[arg-type]
+                self.pause(retry_after, ticket.sent_at)  # type: ignore[arg-type]
         if self.breaker is not None and (evidence or ticket.probe):
             self.breaker.on_response(now, item_id, failed or (limited and ticket.probe),
                                      ticket.probe, ticket.sent_at)

@@ -82,8 +82,13 @@ def shared(processes: int = 3, quota: int = 30, rate: float = 60.0, seconds: flo
             inflight[k] -= 1
             c.on_response(t, sent, limited, asked=limited)
             (refused if limited else oks).append(t)
+            if getattr(c, "resumed", False):  # (the server took what was sent after a 429;
+                c.resumed, paused[k] = False, min(paused[k], t)  # a tree before stop 51: no)
             if limited and c.limiting(t) and t + 1.0 > paused[k]:
-                c.on_pause(max(t, paused[k]), t + 1.0)
+                if hasattr(c, "resumed"):
+                    c.on_pause(max(t, paused[k]), t + 1.0, cause=sent)
+                else:
+                    c.on_pause(max(t, paused[k]), t + 1.0)
                 paused[k] = t + 1.0
         elif kind == SEND:
             c.tick(t)

@@ -115,6 +115,27 @@ async def test_retry_after_pauses_the_whole_job(state: Path) -> None:
         t429 = next(e.t for e in api.log if e.event == "end" and e.status == 429)
         during = [e for e in api.log if e.event == "start" and t429 + 0.05 < e.t < t429 + 0.9]
     assert during == []  # nobody started a request while the server's Retry-After ran
+    # (two in flight: one answer, at most, accepts a request sent after the refused one, too
+    # little to show that the server takes the job: the next test)
+
+
+async def test_a_per_item_429_pauses_the_job_only_until_the_server_takes_later_requests(
+        state: Path) -> None:
+    """The answers accepting requests sent after a 429 show that the server is not holding
+    the job back: its pause ends there, and only the refused ID waits for its Retry-After (a
+    1 % mix of such 429s held a job at rate 50 at ~5 req/s: a rate-limit audit)."""
+    async with MockAPI(api_key=KEY, faults={"a": Fault("rate_limited", retry_after=2)},
+                       latency=0.1) as api:
+        cfg = fast_config(api, state, concurrency=8, rate=50.0, burst=1)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run([f"x{i}" for i in range(10)] + ["a"]
+                                  + [f"y{i}" for i in range(100)])
+        t429 = next(e.t for e in api.log if e.event == "end" and e.status == 429)
+        during = [e.id for e in api.log if e.event == "start" and t429 + 0.3 < e.t < t429 + 1.5]
+        again = [e.t for e in api.log if e.event == "start" and e.id == "a"][1]
+    assert s.ok == 111
+    assert len(during) >= 20  # the job went on (at rate 50: ~60 in that stretch)
+    assert again >= t429 + 1.9  # the refused ID waited for its own Retry-After
 
 
 async def test_duplicates_are_fetched_once_and_a_rerun_fetches_nothing(api: MockAPI, state: Path) -> None:

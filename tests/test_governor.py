@@ -232,6 +232,80 @@ def test_rate_controller_still_pauses_and_cuts_for_a_quota_overrun() -> None:
     assert c.cuts >= 1 and c.rate < 60
 
 
+def paused_by_one_429(sent_at: float = 1.0) -> RateController:
+    """A controller at 50 req/s whose job the answer at 1.05 s to the request sent at
+    ``sent_at`` paused until 2.05 s (a ``Retry-After: 1``): one 429 among 50 answers."""
+    c = RateController(max_rate=50, now=0.0)
+    for i in range(50):
+        c.on_send(i / 50)
+        c.on_response(i / 50 + 0.05, i / 50, False)
+    c.on_response(1.05, sent_at, True, asked=True)
+    assert c.limiting(1.05)  # (one 429 among a second's 50 answers: more than the noise)
+    c.on_pause(1.05, 2.05, cause=sent_at)
+    return c
+
+
+def test_a_pause_ends_when_the_server_takes_requests_sent_after_the_one_it_refused() -> None:
+    """A per-item 429 whose ``Retry-After`` paused the job: the answers accepting two requests
+    sent after it show that the server is not holding the job back, and the pause ends (at
+    rate 50 a 1 % mix of per-item 429s with ``Retry-After: 1`` held the job at ~5 req/s: a
+    rate-limit audit). Answers to requests sent before it say nothing: they were in the
+    window before the refusal."""
+    c = paused_by_one_429()
+    c.on_response(1.06, 0.99, False)  # sent before the refused request: no evidence
+    c.on_response(1.07, 1.02, False)
+    assert not c.resumed
+    c.on_response(1.08, 1.03, False)  # the second sent after it
+    assert c.resumed
+    c.tick(1.4)  # judged soon, as if unpaused; a lone 429 at the rate it came: a 5 % cut at most
+    assert c.rate >= 0.95 * 50
+
+
+def test_a_pause_holds_while_the_server_refuses_what_was_sent_after() -> None:
+    """A window that is used up refuses every request sent after the first refused one: the
+    pause runs its course; and a pause asked for by someone else (another process of a shared
+    job, the upstream) is not this controller's to end."""
+    c = paused_by_one_429()
+    c.on_response(1.06, 1.01, True, asked=True)  # refused too
+    c.on_response(1.07, 1.00, False)  # (sent before the latest refused one)
+    c.on_response(1.08, 1.02, False)
+    assert not c.resumed  # one accepted after the latest refusal is not enough
+    c = paused_by_one_429()
+    c.on_pause(1.06, 3.0)  # another process's pause, longer: it runs its course
+    c.on_response(1.07, 1.02, False)
+    c.on_response(1.08, 1.03, False)
+    assert not c.resumed
+
+
+async def test_the_governor_lets_requests_go_again_when_a_pause_ends_early() -> None:
+    gov = Governor(rate=50, burst=1)
+    sent = [await gov.acquire() for _ in range(3)]
+    gov.on_response(sent[0], "a", limited=True, failed=False, retry_after=30.0)
+    assert gov.paused_for > 29  # (a lone 429 at the start: more than the noise)
+    gov.on_response(sent[1], "b", limited=False, failed=False, retry_after=None)
+    gov.on_response(sent[2], "c", limited=False, failed=True, retry_after=None)
+    assert gov.paused_for > 29  # a 5xx is no sign that the server takes the job
+    later = Ticket(sent[2].sent_at + 0.001, False)
+    gov.on_response(later, "d", limited=False, failed=False, retry_after=None)
+    gov.on_response(later, "e", limited=False, failed=False, retry_after=None)
+    assert gov.paused_for == 0
+
+
+async def test_a_key_s_pause_ends_when_the_server_takes_its_later_requests() -> None:
+    gov = Governor(rate=50, burst=2, keys=2)
+    sent = [await gov.acquire() for _ in range(6)]
+    first, *after = [t for t in sent if t.lane == 0]
+    gov.on_response(first, "a", limited=True, failed=False, retry_after=30.0)
+    assert gov.lanes[0].paused_until > gov.lanes[1].paused_until  # (its key only)
+    other = next(t for t in sent if t.lane == 1)
+    gov.on_response(other, "b", limited=False, failed=False, retry_after=None)
+    gov.on_response(other, "c", limited=False, failed=False, retry_after=None)
+    assert gov.lanes[0].paused_until > gov.lanes[1].paused_until  # (another key's answers)
+    for t, i in zip(after[:2], "de", strict=True):
+        gov.on_response(t, i, limited=False, failed=False, retry_after=None)
+    assert gov.lanes[0].paused_until <= asyncio.get_running_loop().time()
+
+
 def test_breaker_judges_slow_failures_among_the_requests_sent_beside_them() -> None:
     """The last answers of a job are the timeouts of requests sent 1.5 s earlier among
     successes: in arrival order ten failures in a row, in send order a scatter."""
@@ -370,8 +444,10 @@ def pace(c: RateController, answer: Callable[[float], bool], seconds: float, *,
             at, sent, limited = heapq.heappop(out)
             t = max(t, at)
             c.on_response(t, sent, limited, asked=limited)
+            if c.resumed:  # (as the governor: the server took what was sent after a 429)
+                c.resumed, paused_until = False, min(paused_until, t)
             if limited and c.limiting(t) and t + 1.0 > paused_until:
-                c.on_pause(max(t, paused_until), t + 1.0)
+                c.on_pause(max(t, paused_until), t + 1.0, cause=sent)
                 paused_until = t + 1.0
             continue
         t = slot
