@@ -201,10 +201,11 @@ class RateController:
         if limited:
             self._clean_stretch(now, sent_at)
             self._limited_recent.append(now)
-            second = self._recent_share(now)
-            self._episode_share = max(self._episode_share, second)
-            if len(self._recent) + len(self._limited_recent) >= 5:
-                self._sure_share = max(self._sure_share, second)
+            if sent_at >= self._last_cut and sent_at >= self._settle:  # (else the old rate's)
+                second = self._recent_share(now)
+                self._episode_share = max(self._episode_share, second)
+                if len(self._recent) + len(self._limited_recent) >= 5:
+                    self._sure_share = max(self._sure_share, second)
         elif self._stretch is not None and sent_at >= self._stretch:
             self._stretch_took += 1
         if sent_at >= self._last_cut:

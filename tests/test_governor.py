@@ -232,6 +232,33 @@ def test_rate_controller_still_pauses_and_cuts_for_a_quota_overrun() -> None:
     assert c.cuts >= 1 and c.rate < 60
 
 
+def test_429s_to_requests_sent_just_after_a_cut_do_not_count_against_the_next_episode() -> None:
+    """Answers that met the window a cut answered (sent within ``SETTLE`` of it) open no
+    episode; nor does their share of 429s judge the next one: a lone 429 a second later,
+    among a second's ~380 answers (background), cut the rate again (380 -> 361)."""
+    c, t = RateController(max_rate=400, now=0.0), 0.0
+    while t < 2.0:  # two clean seconds at 400 req/s
+        c.on_send(t)
+        c.on_response(t + 0.005, t, False)
+        t += 1 / 400
+    for i in range(80):  # then a quota of 200: every other request refused, no Retry-After
+        c.on_send(t)
+        c.on_response(t + 0.005, t, i % 2 == 1)
+        t += 1 / 400
+    c.tick(t + 0.3)
+    assert c.cuts == 1
+    cut_at, t = t + 0.3, t + 0.3
+    while t < cut_at + 1.5:  # the window the cut answered refuses what goes in the next 0.3 s
+        c.on_send(t)
+        refused = t < cut_at + 0.3 and int(t * 100) % 3 == 0
+        c.on_response(t + 0.005, t, refused)
+        t += 1 / c.rate
+    c.on_send(t)
+    c.on_response(t + 0.005, t, True)  # one per-item 429 among the second's answers
+    c.tick(t + 0.5)
+    assert c.cuts == 1
+
+
 def paused_by_one_429(sent_at: float = 1.0) -> RateController:
     """A controller at 50 req/s whose job the answer at 1.05 s to the request sent at
     ``sent_at`` paused until 2.05 s (a ``Retry-After: 1``): one 429 among 50 answers."""
