@@ -461,7 +461,8 @@ class Fetcher:
                                 body = await self._read(resp)
                             except (aiohttp.ClientError, OSError) as e:  # (TimeoutError too)
                                 return self._broken(item_id, status, answered, e)
-                            return self._classify(item_id, status, answered, body)
+                            return self._classify(item_id, status, answered, body,
+                                                  head=method == "HEAD")
                 hop_to = self._redirect(status, answered["Location"], url, headers, hop)
                 if isinstance(hop_to, Attempt):
                     return hop_to
@@ -607,7 +608,10 @@ class Fetcher:
             f"HTTP {status}, its body not whole: {why}")[:500], billable=True, kind=kind)
 
     def _classify(self, item_id: str, status: int, headers: Mapping[str, str],
-                  body: bytes | None) -> Attempt:
+                  body: bytes | None, *, head: bool = False) -> Attempt:
+        """The ``Attempt`` an answer makes; ``head``: the answer to a HEAD, whose payload is
+        null in every format (it has no body: one that does not parse is none to pay for
+        again)."""
         cfg = self.config
         if status == 200 and self._plain_200 and body is not None:  # the common case, in short
             try:
@@ -622,7 +626,7 @@ class Fetcher:
                            "bytes", billable=True, kind=ErrorKind.TOO_LARGE)
         if body.startswith(codecs.BOM_UTF8) and cfg.response_format != "bytes":  # (some servers'
             body = body[3:]  # UTF-8 begins with one: not JSON, nor text)
-        data, body_ok = _parse(body, cfg.response_format)
+        data, body_ok = (None, True) if head else _parse(body, cfg.response_format)
         outcome = status_class(status, cfg)
         effective = status
         if body_ok and cfg.error_field and outcome is Outcome.OK:
@@ -646,7 +650,7 @@ class Fetcher:
                                billable=billable, kind=ErrorKind.BODY)
             # the journal splices a JSON body in as received; text and bytes go in as strings
             return Attempt(Outcome.OK, status, data=data, billable=billable,
-                           body=body if cfg.response_format == "json" else None)
+                           body=body if cfg.response_format == "json" and not head else None)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"
         kind = ErrorKind.HTTP
         if not body_ok and 200 <= status < 300:

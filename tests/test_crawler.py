@@ -1466,3 +1466,26 @@ async def test_status_says_how_old_a_running_job_s_live_figures_are(api: MockAPI
     assert "as of" not in status_text(s)
     s["live"] = {**live, "age_s": 60.0}
     assert "sending 9.5 req/s, pass 1, breaker closed (as of 60 s ago" in status_text(s)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text", "bytes"])
+async def test_a_head_request_is_a_result_with_a_null_payload_in_every_format(
+        state: Path, fmt: str) -> None:
+    """A HEAD's answer has no body: with the default format (json) it did not parse, and each
+    ID was bought 1 + paid_retries times and ended unavailable (a README audit: -X HEAD)."""
+    seen: list[str] = []
+
+    async def item(request: web.Request) -> web.Response:
+        seen.append(f"{request.method} {request.match_info['id']}")
+        return web.json_response({"id": request.match_info["id"]})  # (no body for a HEAD)
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", item)  # (and HEAD)
+    async with TestServer(app, host="127.0.0.1") as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state),
+                     method="HEAD", response_format=fmt, cooldown=0.0)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run(["a", "b", "c"])
+    assert (s.ok, s.unavailable, s.requests) == (3, 0, 3)
+    assert sorted(seen) == ["HEAD a", "HEAD b", "HEAD c"]
+    assert [r["data"] for r in exported(cfg)] == [None, None, None]
