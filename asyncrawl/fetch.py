@@ -27,6 +27,7 @@ import codecs
 import contextvars
 import enum
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -796,8 +797,7 @@ def env_proxy(url_template: str) -> str | None:
     ``~/.netrc`` for every request."""
     parts = urlsplit(url_template.replace("{id}", "x"))
     proxies = urllib.request.getproxies_environment()
-    if not parts.hostname or urllib.request.proxy_bypass_environment(  # type: ignore[attr-defined]
-            parts.hostname, proxies):  # (the stdlib's, which typeshed does not list)
+    if not parts.hostname or _bypassed(parts.hostname, proxies):
         return None
     proxy = proxies.get(parts.scheme) or proxies.get("all")
     if proxy and not _is_http_url(proxy):  # (not shown: it may hold a password)
@@ -805,6 +805,25 @@ def env_proxy(url_template: str) -> str | None:
                           "the environment is not an http:// or https:// URL with a host (and "
                           "a port 1-65535): fix it, or unset it")
     return proxy
+
+
+def _bypassed(host: str, proxies: Mapping[str, str]) -> bool:
+    """Whether ``NO_PROXY`` exempts ``host``: the stdlib's match of names, domains and
+    addresses, and, as curl and pip do, an IP address within a range listed in CIDR form
+    (``10.0.0.0/8``), which the stdlib ignores."""
+    if urllib.request.proxy_bypass_environment(host, proxies):  # type: ignore[attr-defined]
+        return True  # (the stdlib's, which typeshed does not list)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for entry in proxies.get("no", "").split(","):
+        try:
+            if ip in ipaddress.ip_network(entry.strip().strip("[]"), strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def client_timeout(config: Config) -> aiohttp.ClientTimeout:

@@ -254,3 +254,25 @@ async def test_http_proxy_from_the_environment_is_used_and_no_proxy_bypasses_it(
     code, err = await _cli("run", "-c", str(cfg2), "--no-progress",
                            env=_cli_env(HTTP_PROXY=dead, NO_PROXY="127.0.0.1"))
     assert code == 0, err
+
+
+@pytest.mark.parametrize(("no_proxy", "url", "direct"), [
+    ("localhost,127.0.0.0/8", "http://127.0.0.1:8080/items/{id}", True),
+    ("10.0.0.0/8", "https://10.20.30.40/items/{id}", True),
+    ("10.0.0.0/8", "https://11.0.0.1/items/{id}", False),
+    ("::1/128", "http://[::1]:8080/items/{id}", True),
+    ("example.com", "https://api.example.com/items/{id}", True),
+    ("192.168.0.0/16", "https://api.example.com/items/{id}", False),
+])
+def test_no_proxy_exempts_addresses_in_a_cidr_range(
+        monkeypatch: pytest.MonkeyPatch, no_proxy: str, url: str, direct: bool) -> None:
+    """NO_PROXY=10.0.0.0/8 (curl's and pip's form) was ignored: the stdlib matches names only,
+    so an internal API's requests, key and all, went to the proxy (a README audit)."""
+    from asyncrawl.fetch import env_proxy
+
+    for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", no_proxy)
+    assert (env_proxy(url) is None) == direct
