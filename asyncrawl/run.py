@@ -392,10 +392,13 @@ class Run:
         memory does not grow with the list). A file the state has seen unchanged is read on
         from its frontier, after what the state holds unsettled before it."""
         if not isinstance(source, IdsFile):
-            async for chunk in source:
-                todo, _ = await self._admit(chunk, store, writer)
-                if todo:
-                    yield todo, -1, None
+            # (closed with this generator: an async source is read by a task of its own,
+            # which would read on from the application's iterator after the run: ``_produce``)
+            async with _closed_after(source):
+                async for chunk in source:
+                    todo, _ = await self._admit(chunk, store, writer)
+                    if todo:
+                        yield todo, -1, None
             return
         assert ident is not None
         # (the state holds no unavailable IDs before the frontier: a recheck reads it all)
@@ -605,6 +608,12 @@ class Run:
         return ledger
 
     async def _produce(self, ids: AsyncIterator[Chunk], queue: IdQueue, ledger: Ledger) -> None:
+        async with _closed_after(ids):
+            # (closed when the pass stops too, cancelled or not: the source behind ``ids`` is
+            # closed with it, the application's async iterator and its reading task included)
+            await self._feed(ids, queue, ledger)
+
+    async def _feed(self, ids: AsyncIterator[Chunk], queue: IdQueue, ledger: Ledger) -> None:
         stop, history = self.stop, self.history
         async for chunk, block, mark in ids:
             for item in chunk:
@@ -808,6 +817,19 @@ class _Shared:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(StorageError):
             await self.heartbeat.publish()
+
+
+@contextlib.asynccontextmanager
+async def _closed_after(it: AsyncIterator[Any]) -> AsyncIterator[None]:
+    """Close ``it`` (an async generator's ``aclose``) when the block ends, however it ends:
+    left suspended, a generator is closed only by the garbage collector, and what it holds
+    meanwhile (a task reading an application's iterator, a file) lives on."""
+    try:
+        yield
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+import asyncrawl.run
 from asyncrawl import (
     Config,
     ConfigError,
@@ -296,6 +297,54 @@ async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
         paid = api.paid()
     assert len(paid) == len(set(paid)) == len(ids)  # nothing paid for twice
     assert len(paid_before) >= first
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+async def test_a_run_that_stops_closes_its_async_id_source_and_reads_no_more(
+        state: Path, how: str) -> None:
+    """An application's source fed by its own queue: after the run, stopped mid-backlog, a
+    task of asyncrawl's read on from it (the source was left suspended, not closed): the IDs
+    the application put for its next crawl vanished, its end marker too, and that crawl hung
+    (a library audit). Now the source is closed with the run, and nothing of it is left."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    closed = []
+
+    async def from_queue() -> Any:
+        try:
+            while (item := await queue.get()) is not None:
+                yield item
+        finally:
+            closed.append(True)
+
+    for i in range(300):  # more than the run's queue and read-ahead hold at once
+        queue.put_nowait(f"a{i}")
+    async with MockAPI(api_key=KEY, latency=0.01) as api:
+        cfg = fast_config(api, state, rate=400.0, concurrency=4)
+        crawler = Crawler(cfg)
+        task = asyncio.create_task(crawler.run(from_queue()))
+        deadline = asyncio.get_running_loop().time() + 30
+        while crawler.ok < 10:
+            assert asyncio.get_running_loop().time() < deadline and not task.done()
+            await asyncio.sleep(0.02)
+        if how == "cancel":
+            task.cancel()
+        else:
+            crawler.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert closed == [True]  # its ``finally`` ran, with the run
+        files = [getattr(getattr(t.get_coro(), "cr_code", None), "co_filename", "")
+                 for t in asyncio.all_tasks()]
+        package = str(Path(asyncrawl.run.__file__).parent)
+        assert [f for f in files if f.startswith(package) and not f.endswith("testing.py")] == []
+        for i in range(50):  # the application's next work stays in its queue
+            queue.put_nowait(f"b{i}")
+        queue.put_nowait(None)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert queue.qsize() == 51
+        s = await asyncio.wait_for(Crawler(cfg).run(from_queue()), 30)
+    assert s.fetched == 50
 
 
 async def test_a_slow_async_id_source_is_crawled_as_its_ids_come(state: Path) -> None:
