@@ -227,6 +227,11 @@ class WriterProcess:
             else:
                 import subprocess  # (here: ``status`` and ``export`` import this module)
 
+                if getattr(sys, "frozen", False) or not sys.executable:
+                    # (a frozen application, PyInstaller's or Nuitka's: its executable is the
+                    # application, which would start again, not a Python to run ``sqlchild``)
+                    raise OSError(0, f"{sys.executable or 'this process'} is no Python "
+                                     "interpreter (a frozen application)")
                 self._proc = subprocess.Popen(
                     [sys.executable, "-P", "-c", BOOT, PACKAGE, str(state_dir), str(to_child),
                      str(from_child)], pass_fds=(to_child, from_child, lock_fd),

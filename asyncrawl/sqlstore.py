@@ -58,6 +58,7 @@ import itertools
 import logging
 import os
 import sqlite3
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -401,7 +402,8 @@ class SqliteStore:
             self.process = WriterProcess(self.state_dir, lock_fd, seq,
                                          zygote if zygote and zygote.serves(self.path) else None)
         except StorageError as e:
-            log.warning("%s; the run writes the state database in its own process", e)
+            level = logging.INFO if getattr(sys, "frozen", False) else logging.WARNING
+            log.log(level, "%s; the run writes the state database in its own process", e)
 
     def _apply_logged_intents(self) -> int:
         """The records of ``intents.log`` that the last run's writing process did not apply

@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -1538,3 +1540,23 @@ async def test_a_head_request_is_a_result_with_a_null_payload_in_every_format(
     assert (s.ok, s.unavailable, s.requests) == (3, 0, 3)
     assert sorted(seen) == ["HEAD a", "HEAD b", "HEAD c"]
     assert [r["data"] for r in exported(cfg)] == [None, None, None]
+
+
+async def test_a_frozen_application_writes_its_state_in_its_own_process(
+        api: MockAPI, state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """In an application frozen by PyInstaller or Nuitka, ``sys.executable`` is the
+    application: the writing process started it again (a second copy of the application),
+    and the run halted on "the state writer process ended unexpectedly" (a library audit)."""
+    marker = tmp_path / "started"
+    app = tmp_path / "frozen-app"
+    app.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    app.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(app))
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    caplog.set_level(logging.INFO, logger="asyncrawl")
+    async with Crawler(fast_config(api, state)) as crawler:
+        s = await crawler.run(["a", "b", "c"])
+    assert (s.ok, s.halt) == (3, None)
+    assert not marker.exists()  # the application was not started again
+    assert "writes the state database in its own process" in caplog.text
