@@ -90,7 +90,7 @@ class Run:
         self.pass_no = 1
         self.cooling = False
         self.governor: Governor | None = None
-        self.hook_errors = 0  # what on_attempt raised
+        self.hook_errors: dict[str, int] = {}  # failures of the observing hooks, by name
         self.cut_off: set[str] = set()  # requests cancelled in flight: possibly billed
         # IDs that come into a pass with a history: failed in an earlier run (their failures say
         # nothing about the upstream now), or already sold unusable answers (pass 2)
@@ -265,6 +265,7 @@ class Run:
                                   else error or self.escaped)
             finally:  # the alerts sent meanwhile (they log their own failures)
                 await asyncio.gather(*self._alerts, return_exceptions=True)
+            self._hooks_failed()
             if error is not None:
                 # a hook or the ID source raised, or the run was cancelled, and a 402 (say)
                 # came in the grace period: the error is raised, and the operator still hears
@@ -671,12 +672,7 @@ class Run:
             except (KeyboardInterrupt, SystemExit) as e:
                 self._escape(e)
             except Exception:
-                self.hook_errors += 1
-                if self.hook_errors == 1:  # (once with its traceback: not one per request)
-                    log.exception("on_attempt hook failed for ID %r (later failures of it "
-                                  "are logged at debug level)", item)
-                else:
-                    log.debug("on_attempt hook failed for ID %r", item, exc_info=True)
+                self._hook_failed("on_attempt", item)
         if attempt.kind is ErrorKind.LOCAL:
             self._no_files(attempt)
         elif self._local_since is not None:
@@ -755,7 +751,26 @@ class Run:
         except (KeyboardInterrupt, SystemExit) as e:
             self._escape(e)
         except Exception:
-            log.exception("%s hook failed for ID %r", name, result.id)
+            self._hook_failed(name, result.id)
+
+    def _hook_failed(self, name: str, item: str) -> None:
+        """An observing hook raised (on_attempt, on_result, on_failure: the run goes on): its
+        first failure is logged with its traceback, the later ones at debug level (one a
+        request or result would flood the log: 41,000 lines for a full queue's ``QueueFull``
+        in a run of 5,000 IDs) and counted at the run's end (``_hooks_failed``)."""
+        n = self.hook_errors[name] = self.hook_errors.get(name, 0) + 1
+        if n == 1:
+            log.exception("%s hook failed for ID %r (its later failures in this run are logged "
+                          "at debug level, and counted at its end)", name, item)
+        else:
+            log.debug("%s hook failed for ID %r", name, item, exc_info=True)
+
+    def _hooks_failed(self) -> None:
+        """At the run's end: how often each observing hook failed, where more than once."""
+        for name, n in self.hook_errors.items():
+            if n > 1:
+                log.warning("%s hook failed %s times in this run (the first failure is logged "
+                            "above, with its traceback)", name, f"{n:,}")
 
     def _on_storage_error(self, error: StorageError) -> None:
         self.stop.set(Halt("storage", None, str(error)))
