@@ -126,7 +126,8 @@ class Run:
         if self.stop.is_set():
             self.stop.hurry.set()
             return
-        name = signal_mod.Signals(signum).name if signum else reason
+        name = signal_mod.Signals(signum).name if signum else (
+            "Crawler.stop()" if reason == "signal" else reason)  # (the library's, no signal)
         self.stop.set(Halt(reason, None, f"stopped by {name}", signum))
         if signum:  # the operator hears at once that it was heard, and what happens next
             log.warning("%s: stopping; no new requests, those in flight get up to %gs to finish "

@@ -340,7 +340,10 @@ async def test_a_run_that_stops_closes_its_async_id_source_and_reads_no_more(
         else:
             crawler.stop()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            summary = await task
+        if how == "stop":  # (it said "stopped by signal")
+            assert summary.halt is not None
+            assert summary.halt.message == "stopped by Crawler.stop()"
         assert closed == [True]  # its ``finally`` ran, with the run
         files = [getattr(getattr(t.get_coro(), "cr_code", None), "co_filename", "")
                  for t in asyncio.all_tasks()]
@@ -1314,7 +1317,7 @@ async def test_leaving_the_block_stops_a_run_still_going_and_waits_for_it(state:
                 while crawler.ok < 20:
                     assert asyncio.get_running_loop().time() < deadline and not task.done()
                     await asyncio.sleep(0.02)
-                with pytest.raises(LockedError):
+                with pytest.raises(LockedError, match="another run in this process"):
                     await crawler.run(["other"])
                 1 / 0  # noqa: B018 (the application's error leaves the block)
         assert task is not None and task.done()
