@@ -368,7 +368,12 @@ def summary_text(s: Summary, *, total: int | None = None, price: float | None = 
     left, unread = ids_left(s, total)
     if left:
         text = f"{'up to ' if unread else ''}{left:,}"
-        text += f" of {total:,} IDs" if total is not None else " IDs"
+        if total is None:
+            text += " IDs"
+        elif unread:  # (the duplicates among the lines not read yet are not known)
+            text += f" of a list of {total:,} lines"
+        else:
+            text += f" of {total - s.duplicates:,} IDs"  # (a duplicate line is no ID to fetch)
         if price is not None:
             text += f" ≈ {left * price:,.4f} {currency}"
         if unread:

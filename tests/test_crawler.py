@@ -31,6 +31,7 @@ from asyncrawl import (
     Request,
     Response,
     Result,
+    Summary,
 )
 from asyncrawl.progress import summary_text
 from asyncrawl.report import export, status, status_text
@@ -1570,3 +1571,15 @@ async def test_a_frozen_application_writes_its_state_in_its_own_process(
     assert (s.ok, s.halt) == (3, None)
     assert not marker.exists()  # the application was not started again
     assert "writes the state database in its own process" in caplog.text
+
+
+def test_the_summary_counts_what_is_left_of_the_ids_not_of_the_lines() -> None:
+    """A list of 123 lines with 2 duplicates, all read, 50 ok: 71 left of 121 IDs (it said
+    "left 71 of 123 IDs", which do not add up: a README audit). With lines not read yet the
+    duplicates among them are unknown: it says lines."""
+    s = Summary(ok=50, failed=0, unavailable=0, pending=71, fetched=50, skipped=0,
+                duplicates=2, retries=0, requests=50, billable=50, halt=None, elapsed=1.0,
+                state_dir="s")
+    assert "left         71 of 121 IDs\n" in summary_text(s, total=123)
+    s = dataclasses.replace(s, pending=30)
+    assert "up to 71 of a list of 123 lines (41 not read yet" in summary_text(s, total=123)

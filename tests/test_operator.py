@@ -312,7 +312,8 @@ def test_max_spend_stops_with_exit_4_and_keeps_every_paid_result(
     assert sorted(r2.stdout.splitlines()) == sorted(billed)  # every paid result kept
     out = r.stdout
     assert out.startswith("asyncrawl: stopped early: request budget of 25 billable calls reached")
-    assert re.search(r"\n  left +(up to )?75 of 100 IDs ≈ 0\.7500 EUR", out), out
+    assert re.search(r"\n  left +(75 of 100 IDs|up to 75 of a list of 100 lines) ≈ 0\.7500 EUR",
+                     out), out
     assert re.search(r"\n  cost +0\.2500 EUR this run \(25 billable calls at 0\.01\)", out), out
     assert "raise --max-requests or [billing] max_spend, then rerun the same command" in out
     s = status_json(tmp_path / "c.toml")
