@@ -41,6 +41,7 @@ from aiolimiter import AsyncLimiter
 
 PROVEN_FOR = 120.0  # seconds a figure of what the server takes holds without a stretch showing it
 SETTLE = 1.0  # seconds after a cut (with no pause of the server's) whose requests' 429s open no episode
+MAX_NOISE = 0.015  # the largest share of 429s taken for background, not a quota (``_noise``)
 RESUME_AFTER = 2  # answers accepting requests sent after the one refused that end its pause
 
 
@@ -86,7 +87,9 @@ class RateController:
       ratcheted down for good (50 req/s ended at 7). The bound is an estimate, not a proof:
       a per-item 429 or a bucket's saved-up burst can put it too high, so it is kept only
       while stretches keep showing 90% of it, and dropped two minutes after the last one,
-      or at once when an episode of many 429s comes below it (the quota changed). Episodes
+      or at once when an episode of many 429s comes below it (the quota changed), or when
+      the lone 429s since the last stretch that showed it are more than 1.5% of the answers
+      can give by chance (a quota lowered mid-run, overrun once after each pause). Episodes
       of many 429s cut as before, below it too.
     * **A share of a job.** With several processes on one job (``shared``: ``Governor.share``)
       each sees its own share of the answers, and an episode that is not steady shows it over
@@ -106,7 +109,7 @@ class RateController:
     __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
                  "_held_by", "_held_took", "_last_cut", "_last_raise", "_limited",
                  "_limited_recent", "_own_cut", "_pause_end", "_paused", "_proven",
-                 "_proven_at", "_recent", "_recent_at_episode", "_sent",
+                 "_proven_answers", "_proven_at", "_proven_limited", "_recent", "_recent_at_episode", "_sent",
                  "_settle", "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
                  "_stretch_took", "_sure_share", "background", "ceiling", "cuts", "max_rate",
                  "min_rate", "rate", "resumed", "shared")
@@ -139,6 +142,7 @@ class RateController:
         self._sure_share = 0.0  # ... of the seconds with at least five answers
         self._proven = 0.0  # a rate the server has been seen to sustain (see _clean_stretch)
         self._proven_at = -math.inf  # ... last seen then (forgotten after two minutes)
+        self._proven_answers = self._proven_limited = 0  # answers, and 429s, since then
         self._stretch: float | None = None  # when the latest 429 came (None: none yet) ...
         self._stretch_origin = 0.0  # ... and when its request was sent
         self._stretch_took = 0  # accepted answers to requests sent since then
@@ -200,6 +204,7 @@ class RateController:
             self._asked.append(now)
         if limited:
             self._clean_stretch(now, sent_at)
+            self._proven_limited += 1
             self._limited_recent.append(now)
             if sent_at >= self._last_cut and sent_at >= self._settle:  # (else the old rate's)
                 second = self._recent_share(now)
@@ -208,6 +213,7 @@ class RateController:
                     self._sure_share = max(self._sure_share, second)
         elif self._stretch is not None and sent_at >= self._stretch:
             self._stretch_took += 1
+        self._proven_answers += 1  # (after ``_clean_stretch``: this answer is of the new count)
         if sent_at >= self._last_cut:
             if limited and sent_at < self._settle:
                 pass  # (the overrun the last cut answered: its window not reset yet)
@@ -263,6 +269,7 @@ class RateController:
             proven = self._proven_now(now)
             if took >= 0.9 * proven:
                 self._proven, self._proven_at = max(proven, took), now
+                self._proven_answers = self._proven_limited = 0
         # (a pause already under way, for an earlier 429 of this episode, is the stretch's too)
         self._stretch, self._stretch_origin, self._stretch_took = now, sent_at, 0
         self._stretch_paused = max(0.0, self._pause_end - now)
@@ -295,7 +302,7 @@ class RateController:
     def _noise(self) -> float:
         """The share of 429s that is background, not a quota: twice the long-run share, but
         never more than 1.5% (else a quota's own 429s would raise it until nothing counts)."""
-        return min(2 * self.background, 0.01) + 0.005
+        return min(2 * self.background, MAX_NOISE - 0.005) + 0.005
 
     def tick(self, now: float) -> None:
         """Judge an open episode once its time has come."""
@@ -313,6 +320,13 @@ class RateController:
         # few: no more 429s than the background gives by chance among the episode's answers
         answers = max(self._episode_answers, self._limited)
         lone = _binomial_tail(self._limited, answers, self._noise()) > 1e-3
+        if proven and _binomial_tail(self._proven_limited, self._proven_answers,
+                                     MAX_NOISE) <= 1e-6:
+            # Lone 429s, but more of them since what the server took was last shown than the
+            # most background ever allowed gives, beyond doubt: a window overrun after each
+            # pause (a quota lowered mid-run: 40 -> 10 req/s kept a 429 and a 1-s pause
+            # every 1.3 s for two minutes; now ~13 s)
+            proven = self._proven = 0.0
         if lone and 0.97 * self.rate <= proven:
             # A lone 429 at a rate the server has been seen to take (or within the 3 % that a
             # cut keeps below a quota): no quota refuses that, so it is about its item. No

@@ -578,6 +578,29 @@ def test_a_quota_lowered_mid_run_is_found_again() -> None:
     assert sum(1 for lim in late if not lim) / 240 >= 0.85 * 60
 
 
+def test_a_quota_lowered_mid_run_is_found_again_with_nothing_in_flight_after_a_429() -> None:
+    """The same at 5 ms of latency (no request out when a 429 comes back): each window's
+    overrun is one 429 and its pause, a lone 429 at a rate the server was seen to take (40
+    req/s): excused for two minutes, at a 429 every 1.3 s (a rate-limit audit). More 429s
+    since that figure was last shown than 1.5 % gives by chance drop it: below 12 req/s within
+    30 s of the drop (18.5 s here), and < 1 % 429s from 90 s on."""
+    state = {"window": -1, "used": 0}
+
+    def answer(t: float) -> bool:
+        quota = 40 if t < 60 else 10
+        if int(t) != state["window"]:
+            state["window"], state["used"] = int(t), 0
+        state["used"] += 1
+        return state["used"] > quota
+
+    seen = pace(RateController(max_rate=50, now=0.0), answer, seconds=180, in_flight=16,
+                latency=0.005)
+    assert max(r for t, r, _ in seen if 40 <= t < 60) >= 38  # (what the server took before)
+    assert next(t for t, r, _ in seen if t > 60 and r < 12) < 90
+    late = [limited for t, _, limited in seen if t >= 90]
+    assert sum(late) / len(late) < 0.01
+
+
 async def test_the_ticket_at_once_keeps_to_the_rate_and_to_whatever_holds_requests() -> None:
     """``ready`` (a ticket without a wait, what the workers ask first) hands out the bucket's
     tokens like ``acquire`` and nothing more: no ticket while a pause, an open breaker or a
