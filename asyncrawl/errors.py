@@ -176,6 +176,13 @@ def require_extra(module: str, extra: str, feature: str) -> Any:
     ``feature`` needs."""
     try:
         return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"{feature} needs the '{extra}' extra: "
-                          f"pip install 'asyncrawl[{extra}]'") from None
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name is not None and (
+            module == e.name or module.startswith(f"{e.name}."))
+        if missing:
+            raise ConfigError(f"{feature} needs the '{extra}' extra: "
+                              f"pip install 'asyncrawl[{extra}]'") from None
+        # installed, and broken (pyarrow 14 beside NumPy 2, psycopg without a libpq): the
+        # extra's install command would change nothing, what the import said is the cause
+        raise ConfigError(f"{feature} needs {module} (the '{extra}' extra), which is installed "
+                          f"but cannot be imported: {e}") from None

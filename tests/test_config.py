@@ -3,6 +3,7 @@ ConfigError that names its key (never a TypeError or ValueError from deep inside
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -471,3 +472,26 @@ def test_a_reference_that_is_no_env_name_is_refused(tmp_path: Path, value: str) 
     assert Config.load(p).on_halt == "echo ${ASYNCRAWL_T_UNSET:-none}"  # (the shell's own)
     p.write_text(p.read_text().replace("plain", "Hello ${user.name} ab${9Zq"), encoding="utf-8")
     assert Config.load(p).headers["X-Api-Key"] == "Hello ${user.name} ab${9Zq"
+
+
+def test_a_missing_extra_is_named_and_a_broken_one_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extra that is installed but cannot be imported (pyarrow 14 beside NumPy 2, psycopg
+    without a libpq) was reported as not installed: its install command changed nothing, and
+    the cause was hidden (a packaging audit)."""
+    from asyncrawl.errors import require_extra
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # (not installed)
+    with pytest.raises(ConfigError, match=r"needs the 'parquet' extra: pip install "):
+        require_extra("pyarrow", "parquet", "export --format parquet")
+    (tmp_path / "brokenextra").mkdir()
+    (tmp_path / "brokenextra" / "__init__.py").write_text(
+        "raise ImportError('compiled against NumPy 1.x, cannot run with NumPy 2')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"needs brokenextra \(the 'parquet' extra\), which "
+                       r"is installed but cannot be imported: compiled against NumPy 1\.x"):
+        require_extra("brokenextra", "parquet", "export --format parquet")
+    (tmp_path / "halfextra").mkdir()  # (installed, and needing a module that is not)
+    (tmp_path / "halfextra" / "__init__.py").write_text("import no_such_dependency_here\n")
+    with pytest.raises(ConfigError, match="cannot be imported: No module named"):
+        require_extra("halfextra", "parquet", "export --format parquet")
