@@ -56,6 +56,24 @@ def tune_gc() -> None:
 LOOPS = ("auto", "asyncio", "uvloop")
 
 
+def loop_factory() -> Callable[[], Any] | None:
+    """The event loop ``ASYNCRAWL_LOOP`` asks for (``run_loop``): uvloop's factory, or None
+    for asyncio's; a ``ConfigError`` for a value it does not know, or uvloop missing."""
+    choice = os.environ.get("ASYNCRAWL_LOOP", "auto").strip().lower() or "auto"
+    if choice not in LOOPS:
+        raise ConfigError(f"ASYNCRAWL_LOOP must be one of {', '.join(LOOPS)}, got {choice!r}")
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("ASYNCRAWL_LOOP=uvloop needs uvloop: pip install "
+                                  "'asyncrawl[fast]'") from None
+        else:
+            return uvloop.new_event_loop
+    return None
+
+
 def run_loop(main: Coroutine[Any, Any, T], *, writer: bool = True) -> T:
     """Run ``main`` in the event loop of the CLI's crawls (``run``, ``demo``): uvloop's when the
     ``fast`` extra is installed (``pip install 'asyncrawl[fast]'``), else asyncio's.
@@ -63,20 +81,8 @@ def run_loop(main: Coroutine[Any, Any, T], *, writer: bool = True) -> T:
     process, so it picks the loop, and forks the SQLite state's writing process ahead (where
     ``writer``: ``sqlproc.Zygote``); the library runs in whatever loop the application has,
     and spawns that process."""
-    choice = os.environ.get("ASYNCRAWL_LOOP", "auto").strip().lower() or "auto"
-    factory = None
     try:
-        if choice not in LOOPS:
-            raise ConfigError(f"ASYNCRAWL_LOOP must be one of {', '.join(LOOPS)}, got {choice!r}")
-        if choice != "asyncio":
-            try:
-                import uvloop
-            except ImportError:
-                if choice == "uvloop":
-                    raise ConfigError("ASYNCRAWL_LOOP=uvloop needs uvloop: pip install "
-                                      "'asyncrawl[fast]'") from None
-            else:
-                factory = uvloop.new_event_loop
+        factory = loop_factory()
     except ConfigError:
         main.close()  # never run: not left to warn that it was never awaited
         raise
@@ -799,6 +805,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.concurrency > MAX_CONCURRENCY:
         raise ConfigError(f"must be at most {MAX_CONCURRENCY:,}, got {args.concurrency:,}",
                           key="--concurrency")
+    loop_factory()  # (an ASYNCRAWL_LOOP it cannot have: said before a temporary state is made)
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
     ids_file = Path(state) / "demo-ids.txt"
     try:

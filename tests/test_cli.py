@@ -1336,9 +1336,10 @@ def test_the_cli_runs_its_crawls_on_uvloop_when_the_fast_extra_is_installed(
     assert run_loop(_loop_module()).split(".")[0] == want
 
 
-def test_a_wrong_loop_choice_is_an_input_error() -> None:
-    r = cli("demo", env={"ASYNCRAWL_LOOP": "twisted"})
+def test_a_wrong_loop_choice_is_an_input_error(tmp_path: Path) -> None:
+    r = cli("demo", env={"ASYNCRAWL_LOOP": "twisted", "TMPDIR": str(tmp_path)})
     assert r.returncode == 2 and "ASYNCRAWL_LOOP must be one of auto, asyncio, uvloop" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # (a demo state it never named was left behind)
 
 
 def test_a_wrong_http_client_choice_is_an_input_error() -> None:
