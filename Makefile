@@ -5,8 +5,16 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean
 
+# (a venv of another Python, an older one, is made again: asyncrawl needs 3.11 or newer)
+NEW_ENOUGH := -c 'import sys; sys.exit(sys.version_info < (3, 11))'
+
 $(BIN)/asyncrawl: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@if ! { test -x $(BIN)/python && $(BIN)/python $(NEW_ENOUGH); }; then \
+	  $(PY) $(NEW_ENOUGH) 2>/dev/null || { echo "asyncrawl needs Python 3.11 or newer, and \
+	$(PY) is $$($(PY) -V 2>&1 || echo missing): run make $(MAKECMDGOALS) PY=python3.11" >&2; \
+	  exit 1; }; \
+	  echo "$(PY) -m venv $(VENV)"; rm -rf $(VENV) && $(PY) -m venv $(VENV); \
+	fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(BIN)/asyncrawl
