@@ -102,8 +102,9 @@ def lock_state_dir(d: Path) -> int:
                     "shares the directory (stop it first)") from None
             if pid == str(os.getpid()):  # (a library's: two Crawlers of one application)
                 raise LockedError(
-                    f"another run in this process (a Crawler of this application) is using the "
-                    f"state directory {d}; wait for it to finish or stop it first") from None
+                    f"another run in this process (pid {pid}: a Crawler of this application) is "
+                    f"using the state directory {d}; wait for it to finish or stop it first"
+                ) from None
             raise LockedError(
                 f"another asyncrawl run{f' (pid {pid})' if pid else ''} is using the state "
                 f"directory {d}; wait for it to finish or stop it first") from None
