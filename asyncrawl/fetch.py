@@ -50,6 +50,7 @@ from yarl import URL
 from . import http1
 from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
 from .errors import ConfigError, SessionClosed
+from .records import parse_json
 from .retry import parse_retry_after
 from .types import ErrorKind
 
@@ -665,8 +666,8 @@ def _parse(body: bytes, fmt: str) -> tuple[Any, bool]:
     ``json`` (the parsed value), ``text`` (UTF-8 text) or ``bytes`` (base64, always parses)."""
     if fmt == "json":
         try:
-            return orjson.loads(body), True
-        except orjson.JSONDecodeError:
+            return parse_json(body), True  # (exact: what orjson refuses of JSON, big integers)
+        except ValueError:
             return None, False
     if fmt == "text":
         try:

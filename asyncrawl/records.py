@@ -35,11 +35,13 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import re
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -70,20 +72,70 @@ _OK_ONLY = frozenset({"ok"})
 # got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An
 # ID a run is cut off on becomes in doubt where it is not already: this SQL condition.
 def json_text(value: Any) -> str:
-    """``value`` as compact JSON text (an integer past 64 bits too, which orjson refuses)."""
+    """``value`` as compact JSON text, whatever orjson refuses of what ``parse_json`` reads:
+    an integer past 64 bits, nesting past 254 levels, a lone surrogate (escaped then)."""
     try:
         return orjson.dumps(value).decode()
     except TypeError:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        pass
+    with _deep():  # (a payload nested ~1,000 deep: its CSV and Parquet cells crashed the export)
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        try:
+            text.encode()
+        except UnicodeEncodeError:  # (a lone surrogate: as JSON escapes it, not unwritable)
+            text = json.dumps(value, separators=(",", ":"))
+        return text
+
+
+@contextlib.contextmanager
+def _deep() -> Iterator[None]:
+    """Room for the stdlib's JSON parser and encoder, which recurse once a level, to go
+    ``MAX_DEPTH`` levels deep beyond the caller's own frames."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, MAX_DEPTH + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 _LONG_DIGITS = re.compile(rb"\d{19}")  # (a number orjson may not read exactly: below -2**63 too)
+MAX_DEPTH = 4000  # JSON nesting ``parse_json`` reads, and ``json_text`` writes (orjson: 1,024)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A JSON body's value, exactly: orjson's, but an integer past 64 bits kept whole (orjson
+    reads a float: 10**30 came back 1e+30), and what orjson refuses that JSON allows read
+    with the stdlib's parser (a lone surrogate's escape, as a JavaScript backend that cut a
+    string in an emoji sends; nesting past 1,024; ``1e400``). ``ValueError`` for no JSON (NaN
+    and Infinity included), and for nesting past ~``MAX_DEPTH`` levels."""
+    if not _LONG_DIGITS.search(raw):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        with _deep():
+            return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than ~{MAX_DEPTH} levels") from None
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
 # an ID with a call whose answer the state does not know (schema 5: every answer counted, 2xx
 # in ``paid``, the rest in ``answered``): of a crashed run's open intents, only those are in
 # doubt (one waiting for its retry after a 503 has its answer, and is not possibly billed)
 UNANSWERED_CALL = "sends > paid + answered"
 I_NOT_IN_DOUBT = NOT_IN_DOUBT.replace("doubt", "i.doubt")  # (beside an upsert's ``excluded``)
+
+
+def one_line(raw: bytes) -> bytes:
+    """Valid JSON on one line: its line breaks are whitespace (a string holds them escaped)."""
+    if b"\n" in raw or b"\r" in raw:
+        return raw.replace(b"\r", b" ").replace(b"\n", b" ")
+    return raw
 
 
 class Commit(enum.Enum):
@@ -202,9 +254,7 @@ class Record(_RecordFields):
         64 bits kept whole: orjson reads it as a float, and CSV and Parquet exports wrote
         ``1.2345678901234568e+22`` for ``12345678901234567890123``)."""
         if self.data is None and self.raw is not None:
-            if _LONG_DIGITS.search(self.raw):
-                return json.loads(self.raw)
-            return orjson.loads(self.raw)
+            return parse_json(self.raw)
         return self.data
 
     def stored_payload(self) -> bytes | None:
@@ -215,8 +265,13 @@ class Record(_RecordFields):
         return orjson.dumps(self.data) if self.data is not None else None
 
     def result(self) -> Result:
-        """The ``Result`` an outcome record stands for (what ``on_result`` receives)."""
-        return Result(self.id or "", self.kind, self.status, self.data, self.error,
+        """The ``Result`` an outcome record stands for (what ``on_result`` receives): its
+        payload exact (the body's integers past 64 bits whole, which the fetch, to check
+        that it parses, read as floats)."""
+        data = self.data
+        if self.raw is not None and _LONG_DIGITS.search(self.raw):
+            data = parse_json(self.raw)
+        return Result(self.id or "", self.kind, self.status, data, self.error,
                       self.permanent, self.pass_no, self.tries)
 
     def encode(self) -> bytes:
@@ -242,9 +297,10 @@ class Record(_RecordFields):
             d.update(self.extra)
         if kind == "ok":
             raw = self.raw
-            if raw is not None and b"\n" not in raw:  # valid JSON (it parsed): splice it in
-                return orjson.dumps(d)[:-1] + b',"data":' + raw + b"}\n"
-            d["data"] = self.data if raw is None else orjson.loads(raw)
+            if raw is not None:  # valid JSON (it parsed): spliced in, on one line (a line
+                # break in JSON is whitespace: parsed and dumped again, a big integer was lost)
+                return orjson.dumps(d)[:-1] + b',"data":' + one_line(raw) + b"}\n"
+            d["data"] = self.data
         return orjson.dumps(d) + b"\n"
 
     @classmethod

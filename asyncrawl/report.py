@@ -25,7 +25,7 @@ from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
 from .live import read_live
 from .progress import halt_text
-from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record, json_text
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record, json_text, one_line
 from .store import read_store
 from .types import Halt
 
@@ -238,12 +238,13 @@ def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -
     parts: list[bytes] = []
     for item, raw in payloads:
         n += 1
-        if raw is None or b"\n" in raw or b"\r" in raw:
-            line = dumps({"id": item, "data": orjson.loads(raw) if raw else None}) + b"\n"
+        if not raw:
+            line = dumps({"id": item, "data": None}) + b"\n"
             parts.append(line)
             size += len(line)
-        else:
-            parts += (b'{"id":', dumps(item), b',"data":', raw.strip(), b"}\n")
+        else:  # (on one line: parsed and dumped again, a pretty-printed body's integers past
+            # 64 bits became floats)
+            parts += (b'{"id":', dumps(item), b',"data":', one_line(raw).strip(), b"}\n")
             size += len(raw)
         if size >= 1 << 18:  # written in blocks of 256 KiB: memory stays flat
             _put(parts, out, binary)

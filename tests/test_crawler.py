@@ -1583,3 +1583,45 @@ def test_the_summary_counts_what_is_left_of_the_ids_not_of_the_lines() -> None:
     assert "left         71 of 121 IDs\n" in summary_text(s, total=123)
     s = dataclasses.replace(s, pending=30)
     assert "up to 71 of a list of 123 lines (41 not read yet" in summary_text(s, total=123)
+
+
+async def test_payloads_come_back_as_the_server_sent_them(state: Path) -> None:
+    """JSON orjson reads inexactly or not at all comes back exact, from every way out: a
+    pretty-printed body's integers past 64 bits (jsonl's export and on_result had floats),
+    a lone surrogate's escape (a JavaScript backend cutting a string in an emoji) and
+    nesting past 1,024 levels (refused: bought twice, then unavailable), CSV of a payload
+    nested 1,100 deep (a RecursionError). NaN is still no JSON (a payload-fidelity audit)."""
+    bodies = {
+        "pretty": b'{\n  "big": 100000000000000000000000000000,\r\n  "neg": -9223372036854775809\n}\n',
+        "cut": b'{"text": "half an emoji \\ud83d"}',
+        "deep": b"[" * 1100 + b"1" + b"]" * 1100,
+        "nan": b"[NaN]",
+    }
+
+    async def item(request: web.Request) -> web.Response:
+        return web.Response(body=bodies[request.match_info["id"]],
+                            content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", item)
+    got: dict[str, Any] = {}
+    async with TestServer(app, host="127.0.0.1") as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state),
+                     cooldown=0.0)
+        async with Crawler(cfg, on_result=lambda r: got.__setitem__(r.id, r.data)) as crawler:
+            s = await crawler.run(list(bodies))
+    assert (s.ok, s.unavailable) == (3, 1)
+    want = {"pretty": {"big": 10**29, "neg": -2**63 - 1}, "cut": {"text": "half an emoji \ud83d"}}
+    assert {k: got[k] for k in want} == want  # on_result
+    deep, depth = got["deep"], 0
+    while isinstance(deep, list):  # (compared by walking: == recurses as deep as the lists)
+        deep, depth = deep[0], depth + 1
+    assert (deep, depth) == (1, 1100)
+    out = io.StringIO()
+    export(cfg, fmt="jsonl", out=out)
+    lines = {line.split('"', 4)[3]: line for line in out.getvalue().splitlines()}
+    assert lines["deep"] == '{"id":"deep","data":' + bodies["deep"].decode() + "}"
+    assert {k: json.loads(lines[k])["data"] for k in want} == want
+    out = io.StringIO()
+    export(cfg, fmt="csv", out=out)  # (the deep payload's cell: JSON text, no RecursionError)
+    assert "100000000000000000000000000000,-9223372036854775809" in out.getvalue()
