@@ -101,6 +101,8 @@ class Run:
         self._answered = False
         self._refusals = collections.Counter[int]()
         self._incurable = collections.Counter[ErrorKind]()
+        self._unanswered_tries = 0  # attempts before any answer (``_observe``)
+        self._incurable_error = ""  # ... the last one's error, where it was one of those
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
         self._session: aiohttp.ClientSession | None = None
@@ -333,8 +335,21 @@ class Run:
                 log.info("the job has new IDs (merged by another process): this one fetches "
                          "them too")
                 failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
+            self._never_answered()
         finally:
             fetcher.close()
+
+    def _never_answered(self) -> None:
+        """The run went through its IDs, and each attempt failed as waiting cannot cure, with
+        no answer (fewer than ``INCURABLE_AFTER`` of them: a short list, whose IDs ended failed,
+        exit 6): the stop of the first requests, exit 2, saying what to fix."""
+        tries = sum(self._incurable.values())
+        if self._answered or not tries or tries < self._unanswered_tries or self.stop.is_set():
+            return
+        kind, n = self._incurable.most_common(1)[0]
+        self.stop.set(Halt("unreachable", None, self.config.redact(
+            f"{self._incurable_error} on each of the {n} requests, and no answer: "
+            f"{INCURABLE[kind]}")))
 
     async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
                            writer: AnyWriter, second: Callable[[], AsyncIterator[Chunk]] | None,
@@ -695,10 +710,12 @@ class Run:
                     f"and no other answer yet: {refusal} (the IDs were not given up on: a "
                     f"rerun fetches them)")))
             return
+        self._unanswered_tries += 1
         kind = attempt.kind
         if kind is None or (fix := INCURABLE.get(kind)) is None:
             return
         self._incurable[kind] += 1
+        self._incurable_error = attempt.error or ""
         if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():
             self.stop.set(Halt("unreachable", None, self.config.redact(
                 f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "

@@ -1238,6 +1238,19 @@ def test_a_webhook_that_is_not_an_http_url_is_a_config_error_that_does_not_show_
 # -- a stuck job says why ---------------------------------------------------------------------
 
 
+def test_a_short_list_that_never_reaches_the_api_is_the_same_error(tmp_path: Path) -> None:
+    """Two IDs, one try each, no pass 2: fewer tries than the three that stop a run at its
+    start, so the IDs ended failed, exit 6, and the message was about them, not the URL's
+    port (a security audit's aside). Every try failed alike with no answer: exit 2."""
+    cfg = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/items/{id}", tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ["a", "b"]),
+                       retry={"max_tries": 1}, passes={"second_pass": False})
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "connection refused to 127.0.0.1:9 on each of the 2 requests" in r.stderr
+    assert "[request] url" in r.stderr
+
+
 @pytest.mark.parametrize(("url", "said"), [
     ("http://127.0.0.1:9/items/{id}", "connection refused to 127.0.0.1:9"),
     ("http://nohost.invalid/items/{id}", "name nohost.invalid does not resolve"),
