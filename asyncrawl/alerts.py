@@ -82,8 +82,8 @@ async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
     run's stdout open until it ended)."""
     # the caller's environment minus variables holding a secret (e.g. the API key), and the
     # database's password that libpq takes from the environment itself
-    env = {k: v for k, v in os.environ.items()
-           if v not in config.secrets and k not in LIBPQ_SECRETS}
+    env = {k: v for k, v in os.environ.items()  # (one holding a secret, whole or in part:
+           if config.redact(v) == v and k not in LIBPQ_SECRETS}  # HTTPS_PROXY's password)
     env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
     try:
         proc = await asyncio.create_subprocess_shell(

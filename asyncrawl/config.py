@@ -663,7 +663,7 @@ def _check_types(c: Config) -> None:
             if not _is_num(v):
                 what = _IN_RANGE if isinstance(v, int | float) and not isinstance(v, bool) \
                     and v == v else "a number"
-                raise bad(name, f"must be {what}, got {type(v).__name__} {str(v)[:40]}")
+                raise bad(name, f"must be {what}, got {type(v).__name__} {c.redact(str(v))[:40]}")
         elif name in ("concurrency", "burst", "max_tries", "max_body_bytes", "max_redirects",
                       "max_requests", "paid_retries"):
             if v is None and name == "max_requests":
@@ -674,7 +674,7 @@ def _check_types(c: Config) -> None:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise bad(name, f"must be a whole number, got {type(v).__name__} {v!r}")
             if abs(v) > MAX_NUMBER:
-                raise bad(name, f"must be {_IN_RANGE}, got {str(v)[:40]}")
+                raise bad(name, f"must be {_IN_RANGE}, got {c.redact(str(v))[:40]}")
         elif name in ("second_pass", "recheck_permanent", "recheck_unavailable", "verify_tls",
                       "adaptive", "breaker", "reuse_state"):
             if not isinstance(v, bool):

@@ -478,7 +478,7 @@ class Fetcher:
             if isinstance(e.os_error, ssl.SSLCertVerificationError):
                 return self._certificate(e.os_error, first=hop == 0)
             kind, error = _connect_error(e, self._proxy)
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error)[:500], kind=kind,
                            sent_nothing=hop == 0)
         except aiohttp.ClientConnectorCertificateError as e:
             return self._certificate(e.certificate_error, first=hop == 0)
@@ -489,14 +489,14 @@ class Fetcher:
                            sent_nothing=hop == 0 and not left)
         except aiohttp.ClientConnectorError as e:  # (no connection: nothing was sent)
             kind, error = _connect_error(e, self._proxy)
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(error), kind=kind,
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(error)[:500], kind=kind,
                            sent_nothing=hop == 0)
         except (aiohttp.ClientError, OSError) as e:  # (OSError: a socket error not wrapped)
             if getattr(e, "errno", None) in _OUT_OF_FILES:  # (no socket: nothing was sent)
                 return Attempt(Outcome.RETRY, None, error=_out_of_files(e),
                                kind=ErrorKind.LOCAL, sent_nothing=hop == 0)
             left = self._may_have_left(e)
-            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e)),
+            return Attempt(Outcome.RETRY, None, error=cfg.redact(_describe(e))[:300],
                            kind=ErrorKind.NETWORK, unanswered=left,
                            sent_nothing=hop == 0 and not left)
 
@@ -519,17 +519,17 @@ class Fetcher:
             (target.raw_host or "").encode("idna")  # (an empty or over-long label: invalid)
         except ValueError:  # not a URL, or one without a host (mailto:, data:)
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                f"redirect to an invalid Location {shown}"[:500]), kind=ErrorKind.REDIRECT)
+                f"redirect to an invalid Location {shown}")[:500], kind=ErrorKind.REDIRECT)
         if given.user is not None or given.password is not None:  # the server's credentials:
             return Attempt(Outcome.SKIP, status, error=cfg.redact(  # never sent (nor shown)
                 f"redirect not followed: its Location carries credentials "
-                f"({given.with_user(None)})"[:500]), kind=ErrorKind.REDIRECT)
+                f"({given.with_user(None)})")[:500], kind=ErrorKind.REDIRECT)
         allowed = cfg.follow_redirects == "any" or (
             same and cfg.follow_redirects == "same-origin")
         if not allowed or hop == cfg.max_redirects:
             why = "too many redirects" if allowed else "redirect not followed"
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
-                f"{why}: Location {shown}"[:500]), kind=ErrorKind.REDIRECT)
+                f"{why}: Location {shown}")[:500], kind=ErrorKind.REDIRECT)
         if not same:  # never carry credentials to another origin
             headers = {k: v for k, v in headers.items()
                        if not cfg.is_secret_header(k) and cfg.redact(v) == v}
@@ -949,7 +949,9 @@ def _checked(req: Request, item_id: str) -> tuple[URL, Mapping[str, str]]:
 
 
 def _describe(e: BaseException) -> str:
+    """An exception as an error's text, whole: cut to length only once redacted (a secret
+    the cut went through no longer matched, and its first part was kept in clear)."""
     text = str(e)
     name = type(e).__name__
-    return f"{name}: {text}"[:300] if text else name
+    return f"{name}: {text}" if text else name
 

@@ -480,6 +480,38 @@ async def test_location_with_a_server_issued_token_is_redacted(hostile: Hostile,
     assert a.error == f"redirect not followed: Location {other.base}/items/landed?token=***&n=1"
 
 
+async def test_a_secret_cut_through_by_an_error_s_length_limit_is_still_redacted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, session: aiohttp.ClientSession) -> None:
+    """An error is cut to its length once redacted: cut first, a key in the URL's path that
+    straddled the cut no longer matched, and 29 of its 30 characters were stored and logged
+    (a redirect loop's Location, with a long ID: a security audit). A config value of the
+    wrong type quotes 40 characters of it, redacted first too."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    secret = "pathsecret0123456789abcdef" + os.urandom(4).hex()
+    monkeypatch.setenv("ASYNCRAWL_T_S", secret)
+
+    async def loop(request: web.Request) -> web.Response:
+        raise web.HTTPFound(request.rel_url)
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", loop)
+    async with TestServer(app, host="127.0.0.1") as server:
+        for pad in range(400, 440, 3):  # (wherever the cut falls: in the key, or around it)
+            p = tmp_path / "c.toml"
+            p.write_text(f'[request]\nurl = "http://127.0.0.1:{server.port}/items/{{id}}/tok/'
+                         '${ASYNCRAWL_T_S}"\nmax_redirects = 1\n', encoding="utf-8")
+            a = await Fetcher(session, Config.load(p)).attempt("loop" + "A" * pad)
+            assert a.error is not None and "too many redirects" in a.error
+            assert secret[:8] not in a.error, (pad, a.error[-60:])
+    p.write_text('[request]\nurl = "https://h.example/{id}"\ntimeout = "${ASYNCRAWL_T_S}"\n',
+                 encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        Config.load(p)
+    assert "timeout" in str(e.value) and secret[:8] not in str(e.value)
+
+
 def dir_bytes(d: Path) -> list[bytes]:
     return [p.read_bytes() for p in d.rglob("*") if p.is_file()]
 
