@@ -90,17 +90,18 @@ def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
         return _HALT
     if outcome is Outcome.SKIP:
         return _SKIPPED_AGAIN if pass_no > 1 else _SKIPPED
+    final = "unavailable" if pass_no > 1 else "failed"
+    bought = item.unusable + attempt.unusable
+    if attempt.unusable and bought > config.paid_retries:
+        # a paid answer that cannot be used is bought again at most paid_retries times, in an
+        # outage too (one cut short while the breaker was open was bought a third time)
+        return Verdict(Action.SETTLE, final, error=f"{attempt.error}; bought {bought} times, "
+                       "not again ([retry] paid_retries)")
     if outage:  # not this ID's fault: no try charged; it waits at the gate
         return _AT_GATE
     if attempt.kind is ErrorKind.LOCAL:  # nor the API's: this machine's (no file left)
         return _LOCAL
-    final = "unavailable" if pass_no > 1 else "failed"
     tries = item.tries + 1
-    bought = item.unusable + attempt.unusable
-    if attempt.unusable and bought > config.paid_retries:
-        # a paid answer that does not parse is bought again at most paid_retries times
-        return Verdict(Action.SETTLE, final, error=f"{attempt.error}; bought {bought} times, "
-                       "not again ([retry] paid_retries)")
     if tries < config.max_tries:
         return Verdict(Action.PARK, delay=retry_delay(
             tries, attempt.retry_after, base=config.backoff_base, cap=config.backoff_max,
@@ -509,13 +510,13 @@ class Worker:
             if item.paid:  # unsettled, billed now or by an earlier try: recorded at the pass's end
                 self.held[id(item)] = item
             return
+        if attempt.unusable:  # (bought, not usable: as many more as paid_retries, in all runs;
+            item.unusable += 1  # charged as a try or not: one at the breaker's gate is bought)
+            self.sink.put(Record.unusable(item.id))
         if not verdict.charged:
             self.parking.park(item, verdict.delay)
             return
         item.tries += 1
-        if attempt.unusable:  # (bought, not usable: as many more as paid_retries, in all runs)
-            item.unusable += 1
-            self.sink.put(Record.unusable(item.id))
         if action is Action.PARK:
             self.parking.park(item, verdict.delay)
             return

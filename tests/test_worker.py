@@ -43,6 +43,10 @@ TABLE = [
     ((1, 1), UNPARSABLE, 1, False, Verdict(Action.SETTLE, "failed", error=BOUGHT)),
     ((1, 1), UNPARSABLE, 2, False, Verdict(Action.SETTLE, "unavailable", error=BOUGHT)),
     ((0, 0), E404, 1, True, Verdict(Action.SETTLE, "failed", permanent=True)),  # not an outage
+    # a paid answer cut short while the breaker is open: at the gate, uncharged, unless it
+    # was the last one paid_retries allows (it was bought a third time: a fault-mix audit)
+    ((0, 0), UNPARSABLE, 1, True, Verdict(Action.PARK, charged=False)),
+    ((1, 1), UNPARSABLE, 1, True, Verdict(Action.SETTLE, "failed", error=BOUGHT)),
 ]
 
 
