@@ -1054,7 +1054,8 @@ class Budget:
             await self._changed.wait()  # every slot is in flight: wait for one to come back
 
     def release(self, billable: bool) -> None:
-        """Return a reserved slot with whether its answer was billable."""
+        """Return a reserved slot with whether its call was, or may have been, billable (a
+        2xx answer, or none at all: the slot is spent)."""
         if self.limit is None:
             self.billed += billable
             return

@@ -394,7 +394,9 @@ class Worker:
                 self.sink.put(Record.unanswered(item.id))
             elif attempt.status is not None and not attempt.billable:  # (an error answer: not
                 self.sink.put(Record.answered(item.id))  # lost, wherever the ID ends)
-            budget.release(attempt.billable)
+            # (an unanswered request may have been billed: it keeps its slot, or a server that
+            # bills what it could not deliver billed past --max-requests: 713 for 700)
+            budget.release(attempt.billable or attempt.unanswered)
             retry = attempt.outcome is Outcome.RETRY
             limited = retry and attempt.status == 429
             # a retryable failure of the upstream; a paid (2xx) answer that did not parse is not

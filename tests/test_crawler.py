@@ -1625,3 +1625,31 @@ async def test_payloads_come_back_as_the_server_sent_them(state: Path) -> None:
     out = io.StringIO()
     export(cfg, fmt="csv", out=out)  # (the deep payload's cell: JSON text, no RecursionError)
     assert "100000000000000000000000000000,-9223372036854775809" in out.getvalue()
+
+
+async def test_the_budget_counts_a_request_that_got_no_answer_as_spent(state: Path) -> None:
+    """``max_requests`` caps the calls a server may bill: one that never answered (a stall
+    past the timeout, billed by a server that bills what it received) kept no slot, and a
+    run capped at 700 let the server bill 713 (a fault-mix audit). Now such a call spends
+    its slot: the server receives no more than the cap."""
+    received: list[str] = []
+
+    async def item(request: web.Request) -> web.Response:
+        item_id = request.match_info["id"]
+        received.append(item_id)
+        if item_id.startswith("stall"):
+            await asyncio.sleep(2)
+        return web.json_response({"id": item_id})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", item)
+    ids = [f"{'stall' if i % 3 == 0 else 'ok'}{i}" for i in range(30)]
+    async with TestServer(app, host="127.0.0.1") as server:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}", state_dir=str(state),
+                     cooldown=0.0, timeout=0.3, max_tries=1, second_pass=False,
+                     max_requests=10, concurrency=4)
+        async with Crawler(cfg) as crawler:
+            s = await crawler.run(ids)
+    assert s.halt is not None and s.halt.reason == "budget"
+    assert len(received) <= 10, received  # (each a call the server may bill)
+    assert s.unanswered >= 1  # (the stalls, told as possibly billed)
