@@ -347,6 +347,10 @@ def _log_file(path: str) -> logging.Handler:
     class LogFile(logging.handlers.WatchedFileHandler):
         failed = False
 
+        def _open(self) -> Any:  # (logging's name) a new log file is owner-only: it holds
+            return open(self.baseFilename, self.mode, encoding=self.encoding,  # IDs, errors
+                        errors=self.errors, opener=lambda p, flags: os.open(p, flags, 0o600))
+
         def handleError(self, record: logging.LogRecord) -> None:  # (logging's name)
             self._failed(sys.exc_info()[1])
 

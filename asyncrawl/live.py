@@ -164,8 +164,10 @@ async def tick(progress: Callable[[], Progress], state_dir: Path | None,
 def write_live(state_dir: Path, p: Progress) -> None:
     """Replace ``live.json`` (not durable: a view for ``status``, never read back by a run)."""
     tmp = state_dir / (LIVE + ".tmp")
-    try:
-        tmp.write_bytes(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time()}))
+    try:  # (owner-only, as the state's other files: made 0644 under a umask of 022)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "wb") as f:
+            f.write(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time()}))
         os.replace(tmp, state_dir / LIVE)
     except OSError:
         pass  # a view only; the store is what matters

@@ -1041,9 +1041,20 @@ def test_state_directory_is_owner_only_even_with_umask_000(hostile: Hostile, tmp
     state = tmp_path / "state"
     conf = write_config(tmp_path / "c.toml", hostile.item_url, state,
                         write_ids(tmp_path / "ids.txt", ["a", "b"]))
-    r = run_cli("run", "-c", str(conf), "--no-progress", env={"ASYNCRAWL_TEST_KEY": "k-123"}, umask=0)
+    r = run_cli("run", "-c", str(conf), "--no-progress", "--log-file", str(tmp_path / "run.log"),
+                env={"ASYNCRAWL_TEST_KEY": "k-123"}, umask=0)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "run.log").stat().st_mode) == 0o600  # (0666, world-writable)
+    from asyncrawl.live import LIVE, write_live
+    from asyncrawl.types import Progress
+
+    old = os.umask(0)
+    try:  # (the figures of a run under way: written at its progress ticks, too few here)
+        write_live(state, Progress(1, 2, 2, 2, 0, 0, 0, 0, 2, 0, 0, 1.0, 0.0, 1.0, None))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((state / LIVE).stat().st_mode) == 0o600
     assert (state / "state.db").exists()
     for path in state.glob("state.db*"):  # the database, and its -wal / -shm while they exist
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
