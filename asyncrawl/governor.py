@@ -107,7 +107,7 @@ class RateController:
     """
 
     __slots__ = ("_accepted", "_asked", "_decide_at", "_episode_answers", "_episode_share",
-                 "_held_by", "_held_took", "_last_cut", "_last_raise", "_limited",
+                 "_foreign_end", "_held_by", "_held_took", "_last_cut", "_last_raise", "_limited",
                  "_limited_recent", "_own_cut", "_pause_end", "_paused", "_proven",
                  "_proven_answers", "_proven_at", "_proven_limited", "_recent", "_recent_at_episode", "_sent",
                  "_settle", "_since", "_steady", "_stretch", "_stretch_origin", "_stretch_paused",
@@ -153,7 +153,8 @@ class RateController:
         # accepted requests sent after that one (``RESUME_AFTER`` of them end the pause)
         self._held_by: float | None = None
         self._held_took = 0
-        self.resumed = False  # a pause ended early: the governor lets requests go again
+        self._foreign_end = -math.inf  # the end of the latest pause with no cause (not ours)
+        self.resumed: float | None = None  # a pause ends early, then: the governor's to take
 
     def __repr__(self) -> str:
         return (f"<RateController rate={self.rate:.2f}/{self.max_rate:g} ceiling={self.ceiling} "
@@ -174,13 +175,16 @@ class RateController:
     def on_pause(self, start: float, end: float, cause: float | None = None) -> None:
         """The job is paused from ``start`` to ``end``: not sending, so not counted as time.
         ``cause``: when the request was sent whose answer asked for this pause (None: another
-        process's pause, or the upstream's). The server taking requests sent after the one it
-        refused ends such a pause early (``on_response``)."""
+        process's pause, a shared job's, or one that holds several keys at once). The server
+        taking requests sent after the one it refused ends such a pause early (``on_response``),
+        but not before a pause with no cause ends (``_foreign_end``)."""
         if cause is not None and (self._held_by is not None or end >= self._pause_end):
             self._held_by = cause if self._held_by is None else max(self._held_by, cause)
             self._held_took = 0
-        elif cause is None and end > self._pause_end:
-            self._held_by = None  # (a pause of someone else's: it runs its course)
+        elif cause is None:
+            self._foreign_end = max(self._foreign_end, end)
+            if end > self._pause_end:
+                self._held_by = None  # (a pause of someone else's: it runs its course)
         self._paused += end - start
         self._stretch_paused += end - start
         self._pause_end = max(self._pause_end, end)
@@ -245,14 +249,17 @@ class RateController:
         hot key) or it no longer is (its window was reset). The rest of the pause is no time
         paused, and the episode is judged soon (with no pause, a lone 429 at a rate the server
         takes cuts nothing: ``_cut``)."""
-        rest = self._pause_end - now
+        self._held_by = None
+        until = max(now, self._foreign_end)  # (another process's pause that ours extended)
+        if until >= self._pause_end:
+            return
+        rest = self._pause_end - until
         self._paused = max(0.0, self._paused - rest)
         self._stretch_paused = max(0.0, self._stretch_paused - rest)
-        self._pause_end = now
+        self._pause_end = until
         if self._decide_at is not None:
-            self._decide_at = min(self._decide_at, now + 0.25)
-        self._held_by = None
-        self.resumed = True
+            self._decide_at = min(self._decide_at, until + 0.25)
+        self.resumed = until
 
     def _clean_stretch(self, now: float, sent_at: float) -> None:
         """A 429 ends a stretch without one: what the server took in it bounds a quota from
@@ -798,8 +805,8 @@ class Governor:
         breaker = self.breaker
         while True:
             now = loop.time()
-            if self.paused_until > now:
-                await asyncio.sleep(self.paused_until - now)
+            if self.paused_until > now:  # (looked at again: a pause may end early, ``_resume``)
+                await asyncio.sleep(min(self.paused_until - now, 0.25))
                 continue
             if breaker is not None and breaker.open:
                 if not self.unsent():
@@ -912,12 +919,12 @@ class Governor:
         asked = retry_after is not None and (limited or failed)
         if c is not None:
             c.on_response(now, ticket.sent_at, limited, asked, failed)
-            if c.resumed:  # the server took requests sent after the one it refused
-                c.resumed = False
+            if c.resumed is not None:  # the server took requests sent after the one it refused
+                until, c.resumed = c.resumed, None
                 if self._single:
-                    self.paused_until = min(self.paused_until, now)
+                    self.paused_until = min(self.paused_until, until)
                 else:
-                    lane.paused_until = min(lane.paused_until, now)
+                    lane.paused_until = min(lane.paused_until, until)
         # A Retry-After holds every request when the server is holding back the job; a lone
         # one (one item's lock, a stray 429 among hundreds of 200s) holds only its own item,
         # which the worker parks for that long. Without the adaptive rate: every one. With

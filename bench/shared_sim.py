@@ -82,8 +82,9 @@ def shared(processes: int = 3, quota: int = 30, rate: float = 60.0, seconds: flo
             inflight[k] -= 1
             c.on_response(t, sent, limited, asked=limited)
             (refused if limited else oks).append(t)
-            if getattr(c, "resumed", False):  # (the server took what was sent after a 429;
-                c.resumed, paused[k] = False, min(paused[k], t)  # a tree before stop 51: no)
+            until = getattr(c, "resumed", None)  # (the server took what was sent after a
+            if until:  # 429, a pause ends early; a tree before stop 51 has no such thing)
+                c.resumed, paused[k] = None, min(paused[k], until)
             if limited and c.limiting(t) and t + 1.0 > paused[k]:
                 if hasattr(c, "resumed"):
                     c.on_pause(max(t, paused[k]), t + 1.0, cause=sent)

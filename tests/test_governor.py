@@ -281,9 +281,9 @@ def test_a_pause_ends_when_the_server_takes_requests_sent_after_the_one_it_refus
     c = paused_by_one_429()
     c.on_response(1.06, 0.99, False)  # sent before the refused request: no evidence
     c.on_response(1.07, 1.02, False)
-    assert not c.resumed
+    assert c.resumed is None
     c.on_response(1.08, 1.03, False)  # the second sent after it
-    assert c.resumed
+    assert c.resumed == 1.08
     c.tick(1.4)  # judged soon, as if unpaused; a lone 429 at the rate it came: a 5 % cut at most
     assert c.rate >= 0.95 * 50
 
@@ -296,12 +296,12 @@ def test_a_pause_holds_while_the_server_refuses_what_was_sent_after() -> None:
     c.on_response(1.06, 1.01, True, asked=True)  # refused too
     c.on_response(1.07, 1.00, False)  # (sent before the latest refused one)
     c.on_response(1.08, 1.02, False)
-    assert not c.resumed  # one accepted after the latest refusal is not enough
+    assert c.resumed is None  # one accepted after the latest refusal is not enough
     c = paused_by_one_429()
     c.on_pause(1.06, 3.0)  # another process's pause, longer: it runs its course
     c.on_response(1.07, 1.02, False)
     c.on_response(1.08, 1.03, False)
-    assert not c.resumed
+    assert c.resumed is None
 
 
 async def test_the_governor_lets_requests_go_again_when_a_pause_ends_early() -> None:
@@ -316,6 +316,31 @@ async def test_the_governor_lets_requests_go_again_when_a_pause_ends_early() -> 
     gov.on_response(later, "d", limited=False, failed=False, retry_after=None)
     gov.on_response(later, "e", limited=False, failed=False, retry_after=None)
     assert gov.paused_for == 0
+
+
+async def test_requests_waiting_in_a_pause_go_when_it_ends_early() -> None:
+    """A request waiting in ``acquire`` slept the whole ``Retry-After`` in one go: the pause
+    ended early, and it still waited 30 s (a review). And a pause of another process's that
+    the 429's extended runs its course: only what the 429 added is taken back."""
+    gov = Governor(rate=50, burst=1)
+    sent = [await gov.acquire() for _ in range(3)]
+    gov.on_response(sent[0], "a", limited=True, failed=False, retry_after=30.0)
+    waiting = asyncio.create_task(gov.acquire())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    for t, i in zip(sent[1:], "bc", strict=True):
+        gov.on_response(t, i, limited=False, failed=False, retry_after=None)
+    assert gov.paused_for == 0
+    await asyncio.wait_for(waiting, 2)  # (within its next look, 0.25 s)
+
+    gov = Governor(rate=50, burst=1)
+    sent = [await gov.acquire() for _ in range(3)]
+    gov.pause(10.0)  # another process's (a shared job's heartbeat)
+    gov.on_response(sent[0], "a", limited=True, failed=False, retry_after=30.0)
+    assert gov.paused_for > 29
+    for t, i in zip(sent[1:], "bc", strict=True):
+        gov.on_response(t, i, limited=False, failed=False, retry_after=None)
+    assert 9 < gov.paused_for <= 10
 
 
 async def test_a_key_s_pause_ends_when_the_server_takes_its_later_requests() -> None:
@@ -471,8 +496,8 @@ def pace(c: RateController, answer: Callable[[float], bool], seconds: float, *,
             at, sent, limited = heapq.heappop(out)
             t = max(t, at)
             c.on_response(t, sent, limited, asked=limited)
-            if c.resumed:  # (as the governor: the server took what was sent after a 429)
-                c.resumed, paused_until = False, min(paused_until, t)
+            if c.resumed is not None:  # (as the governor: the server took what was sent after)
+                c.resumed, paused_until = None, min(paused_until, c.resumed)
             if limited and c.limiting(t) and t + 1.0 > paused_until:
                 c.on_pause(max(t, paused_until), t + 1.0, cause=sent)
                 paused_until = t + 1.0
