@@ -40,6 +40,7 @@ import enum
 import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,19 +88,33 @@ def json_text(value: Any) -> str:
         return text
 
 
+_deep_lock = threading.Lock()
+_deep_users = [0, 0]  # threads inside ``_deep`` now, and the limit the first one found
+
+
 @contextlib.contextmanager
 def _deep() -> Iterator[None]:
     """Room for the stdlib's JSON parser and encoder, which recurse once a level, to go
-    ``MAX_DEPTH`` levels deep beyond the caller's own frames."""
-    limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(limit, MAX_DEPTH + 1000))
+    ``MAX_DEPTH`` levels deep beyond the caller's own frames. The limit is the process's:
+    raised by the first thread in, set back by the last one out (two threads that each set
+    it back to what they found could leave it raised, or lower it under the other)."""
+    with _deep_lock:
+        if not _deep_users[0]:
+            _deep_users[1] = sys.getrecursionlimit()
+            sys.setrecursionlimit(max(_deep_users[1], MAX_DEPTH + 1000))
+        _deep_users[0] += 1
     try:
         yield
     finally:
-        sys.setrecursionlimit(limit)
+        with _deep_lock:
+            _deep_users[0] -= 1
+            if not _deep_users[0]:
+                sys.setrecursionlimit(_deep_users[1])
 
 
-_LONG_DIGITS = re.compile(rb"\d{19}")  # (a number orjson may not read exactly: below -2**63 too)
+# a number of 19 digits or more, which orjson may not read exactly (below -2**63 too): one
+# after what can come before a number in JSON (not inside a string, mostly: an id_str)
+_LONG_DIGITS = re.compile(rb"(?:^|[:,\[])\s*-?\d{19}")
 MAX_DEPTH = 4000  # JSON nesting ``parse_json`` reads, and ``json_text`` writes (orjson: 1,024)
 
 
@@ -119,8 +134,11 @@ def parse_json(raw: bytes) -> Any:
         except orjson.JSONDecodeError:
             pass
     try:
+        text = raw.decode()  # (UTF-8, strictly: the stdlib's would take UTF-16 and -32 too)
         with _deep():
-            return json.loads(raw, parse_constant=_no_constant)
+            return json.loads(text, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise ValueError("JSON that is no UTF-8") from None
     except RecursionError:
         raise ValueError(f"JSON nested deeper than ~{MAX_DEPTH} levels") from None
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
