@@ -288,8 +288,10 @@ async def _as_they_come(ids: AsyncIterable[str]) -> AsyncGenerator[list[str], No
     end: list[BaseException | None] = []  # the source's end: None, or what it raised
 
     async def read() -> None:
+        it = None
         try:
-            async for item in ids:
+            it = aiter(ids)
+            async for item in it:
                 buf.append(item)
                 came.set()
                 if len(buf) >= CHUNK_IDS:
@@ -300,6 +302,12 @@ async def _as_they_come(ids: AsyncIterable[str]) -> AsyncGenerator[list[str], No
             end.append(e)
         finally:
             came.set()
+            # closed here too: cancelled while it waits for room, the application's iterator
+            # is left suspended at its yield, its ``finally`` not run (an async generator)
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):  # (its error on closing: not the run's)
+                    await aclose()
 
     reader = asyncio.ensure_future(read())
     try:

@@ -242,3 +242,26 @@ async def test_iter_ids_rejects(bad: object, make: object) -> None:
             got.append(item)
     assert got == ["a", "b"]  # the good ones before it were yielded, nothing after
     assert e.value.line == 3
+
+
+async def test_an_async_source_waiting_for_room_is_closed_with_its_chunks() -> None:
+    """The task reading an async source ahead, cancelled while it waited for room (1,024
+    IDs read and not taken), left the application's generator suspended: its ``finally``
+    had not run when the run ended (a review)."""
+    from asyncrawl.source import CHUNK_IDS, id_chunks
+
+    closed = []
+
+    async def ids() -> AsyncIterator[str]:
+        try:
+            for i in range(10 * CHUNK_IDS):
+                yield f"x{i}"
+        finally:
+            closed.append(True)
+
+    chunks = id_chunks(ids())
+    assert len(await chunks.__anext__()) == CHUNK_IDS
+    for _ in range(50):  # (the reader fills its buffer again, then waits for room)
+        await asyncio.sleep(0)
+    await chunks.aclose()
+    assert closed == [True]
