@@ -76,14 +76,21 @@ async def send_alerts(config: Config, halt: Halt, summary: Summary,
             log.error("an alert failed: %s", type(failed).__name__, exc_info=failed)
 
 
+def _holds_secret(value: str, config: Config) -> bool:
+    """Whether an environment variable holds a secret: one whole, or a URL with one in it
+    (HTTPS_PROXY's password: it went through whole); not any value a short secret is part
+    of (a password "postgres" would take PATH away)."""
+    return value in config.secrets or ("://" in value and config.redact(value) != value)
+
+
 async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
     """Run ``on_halt`` in a session of its own: killed with whatever it started if it takes
     longer than ``COMMAND_TIMEOUT`` or the alerts are cut short (a child left behind held the
     run's stdout open until it ended)."""
     # the caller's environment minus variables holding a secret (e.g. the API key), and the
     # database's password that libpq takes from the environment itself
-    env = {k: v for k, v in os.environ.items()  # (one holding a secret, whole or in part:
-           if config.redact(v) == v and k not in LIBPQ_SECRETS}  # HTTPS_PROXY's password)
+    env = {k: v for k, v in os.environ.items() if not _holds_secret(v, config)
+           and k not in LIBPQ_SECRETS}
     env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
     try:
         proc = await asyncio.create_subprocess_shell(

@@ -102,7 +102,7 @@ class Run:
         self._refusals = collections.Counter[int]()
         self._incurable = collections.Counter[ErrorKind]()
         self._unanswered_tries = 0  # attempts before any answer (``_observe``)
-        self._incurable_error = ""  # ... the last one's error, where it was one of those
+        self._incurable_error: dict[ErrorKind, str] = {}  # ... the last error of each kind
         self.retired_keys: list[str] = []  # fingerprints of the API keys refused (401/402)
         self._alerts: list[asyncio.Task[None]] = []  # alerts sent while the run goes on
         self._session: aiohttp.ClientSession | None = None
@@ -328,6 +328,7 @@ class Run:
                           observe=self._observe, lean=self._lean)
         try:
             failed = (await self._pass(1, first, fetcher, budget, writer)).failed
+            self._never_answered()  # (before pass 2: its IDs stay failed, for a rerun)
             while await self._second_pass(failed, fetcher, budget, writer, second, second_left) \
                     and again is not None and shared is not None and await shared.pass_left(1):
                 # a shared job given new IDs meanwhile (a process that joined late): this run
@@ -335,20 +336,21 @@ class Run:
                 log.info("the job has new IDs (merged by another process): this one fetches "
                          "them too")
                 failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
-            self._never_answered()
         finally:
             fetcher.close()
 
     def _never_answered(self) -> None:
-        """The run went through its IDs, and each attempt failed as waiting cannot cure, with
-        no answer (fewer than ``INCURABLE_AFTER`` of them: a short list, whose IDs ended failed,
-        exit 6): the stop of the first requests, exit 2, saying what to fix."""
+        """Pass 1 went through its IDs, and each attempt failed as waiting cannot cure, with no
+        answer (fewer than ``INCURABLE_AFTER`` of them: a short list, whose IDs ended failed,
+        exit 6, then unavailable after pass 2, never to be tried again): the stop of the first
+        requests, exit 2, saying what to fix; the IDs stay failed, and a rerun tries them."""
         tries = sum(self._incurable.values())
         if self._answered or not tries or tries < self._unanswered_tries or self.stop.is_set():
             return
         kind, n = self._incurable.most_common(1)[0]
+        each = f"each of the {n}" if n == tries else f"{n} of the {tries}"
         self.stop.set(Halt("unreachable", None, self.config.redact(
-            f"{self._incurable_error} on each of the {n} requests, and no answer: "
+            f"{self._incurable_error[kind]} on {each} requests, and no answer: "
             f"{INCURABLE[kind]}")))
 
     async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
@@ -715,7 +717,7 @@ class Run:
         if kind is None or (fix := INCURABLE.get(kind)) is None:
             return
         self._incurable[kind] += 1
-        self._incurable_error = attempt.error or ""
+        self._incurable_error[kind] = attempt.error or ""
         if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():
             self.stop.set(Halt("unreachable", None, self.config.redact(
                 f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "

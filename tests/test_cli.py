@@ -1246,12 +1246,14 @@ def test_a_short_list_that_never_reaches_the_api_is_the_same_error(tmp_path: Pat
     start, so the IDs ended failed, exit 6, and the message was about them, not the URL's
     port (a security audit's aside). Every try failed alike with no answer: exit 2."""
     cfg = write_config(tmp_path / "c.toml", "http://127.0.0.1:9/items/{id}", tmp_path / "state",
-                       write_ids(tmp_path / "ids.txt", ["a", "b"]),
-                       retry={"max_tries": 1}, passes={"second_pass": False})
+                       write_ids(tmp_path / "ids.txt", ["a", "b"]), retry={"max_tries": 1})
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV, timeout=60)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "connection refused to 127.0.0.1:9 on each of the 2 requests" in r.stderr
     assert "[request] url" in r.stderr
+    # stopped before pass 2: the IDs are failed, for a rerun, not confirmed unavailable
+    failed = cli("export", "-c", str(cfg), "--outcome", "failed", "--format", "ids", env=ENV)
+    assert sorted(failed.stdout.split()) == ["a", "b"]
 
 
 @pytest.mark.parametrize(("url", "said"), [

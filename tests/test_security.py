@@ -1146,3 +1146,15 @@ def test_scrubbing_url_credentials_leaves_ordinary_urls_alone() -> None:
                          ("a b", "password='a b' host=x"), ("abc", "pwd=abc&x=1"),
                          ("PASS99", "postgresql://u@h/db?password=PASS99")):
         assert secret not in without_credentials(text), text
+
+
+def test_the_alert_command_keeps_variables_a_short_secret_is_only_part_of() -> None:
+    """A variable holding a secret, or a URL with one in it, is kept from the on_halt
+    command; one that a short secret is merely part of is not (a key "usr" took PATH away:
+    the command could not be found; a review)."""
+    from asyncrawl.alerts import _holds_secret
+
+    cfg = Config(url="https://h.example/{id}", headers={"X-Api-Key": "usr"})
+    assert _holds_secret("usr", cfg)
+    assert _holds_secret("http://u:usr@proxy.example:3128", cfg)
+    assert not _holds_secret("/usr/local/bin:/usr/bin:/bin", cfg)
