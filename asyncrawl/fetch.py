@@ -50,7 +50,7 @@ from yarl import URL
 from . import http1
 from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
 from .errors import ConfigError, SessionClosed
-from .records import parse_json
+from .jsontext import parse_json
 from .retry import parse_retry_after
 from .types import ErrorKind
 

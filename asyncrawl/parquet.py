@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import StorageError, require_extra, temp_beside
-from .records import json_text
+from .jsontext import json_text
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)

@@ -35,19 +35,15 @@ them. ``Record.encode`` / ``Record.decode`` are the record's JSON form (one jour
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import json
-import re
-import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
 
+from .jsontext import LONG_DIGITS, one_line, parse_json
 from .types import Halt, Result
 
 OUTCOME_KINDS = ("ok", "failed", "unavailable")
@@ -72,88 +68,12 @@ _OK_ONLY = frozenset({"ok"})
 # kept), 1 (in doubt and fetched ok since: possibly billed twice), 2 (``unanswered``: a request
 # got no answer after its connect, possibly billed) or 3 (unanswered and fetched ok since). An
 # ID a run is cut off on becomes in doubt where it is not already: this SQL condition.
-def json_text(value: Any) -> str:
-    """``value`` as compact JSON text, whatever orjson refuses of what ``parse_json`` reads:
-    an integer past 64 bits, nesting past 254 levels, a lone surrogate (escaped then)."""
-    try:
-        return orjson.dumps(value).decode()
-    except TypeError:
-        pass
-    with _deep():  # (a payload nested ~1,000 deep: its CSV and Parquet cells crashed the export)
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-        try:
-            text.encode()
-        except UnicodeEncodeError:  # (a lone surrogate: as JSON escapes it, not unwritable)
-            text = json.dumps(value, separators=(",", ":"))
-        return text
-
-
-_deep_lock = threading.Lock()
-_deep_users = [0, 0]  # threads inside ``_deep`` now, and the limit the first one found
-
-
-@contextlib.contextmanager
-def _deep() -> Iterator[None]:
-    """Room for the stdlib's JSON parser and encoder, which recurse once a level, to go
-    ``MAX_DEPTH`` levels deep beyond the caller's own frames. The limit is the process's:
-    raised by the first thread in, set back by the last one out (two threads that each set
-    it back to what they found could leave it raised, or lower it under the other)."""
-    with _deep_lock:
-        if not _deep_users[0]:
-            _deep_users[1] = sys.getrecursionlimit()
-            sys.setrecursionlimit(max(_deep_users[1], MAX_DEPTH + 1000))
-        _deep_users[0] += 1
-    try:
-        yield
-    finally:
-        with _deep_lock:
-            _deep_users[0] -= 1
-            if not _deep_users[0]:
-                sys.setrecursionlimit(_deep_users[1])
-
-
-# a number of 19 digits or more, which orjson may not read exactly (below -2**63 too): one
-# after what can come before a number in JSON (not inside a string, mostly: an id_str)
-_LONG_DIGITS = re.compile(rb"(?:^|[:,\[])\s*-?\d{19}")
-MAX_DEPTH = 4000  # JSON nesting ``parse_json`` reads, and ``json_text`` writes (orjson: 1,024)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is no JSON")
-
-
-def parse_json(raw: bytes) -> Any:
-    """A JSON body's value, exactly: orjson's, but an integer past 64 bits kept whole (orjson
-    reads a float: 10**30 came back 1e+30), and what orjson refuses that JSON allows read
-    with the stdlib's parser (a lone surrogate's escape, as a JavaScript backend that cut a
-    string in an emoji sends; nesting past 1,024; ``1e400``). ``ValueError`` for no JSON (NaN
-    and Infinity included), and for nesting past ~``MAX_DEPTH`` levels."""
-    if not _LONG_DIGITS.search(raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    try:
-        text = raw.decode()  # (UTF-8, strictly: the stdlib's would take UTF-16 and -32 too)
-        with _deep():
-            return json.loads(text, parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise ValueError("JSON that is no UTF-8") from None
-    except RecursionError:
-        raise ValueError(f"JSON nested deeper than ~{MAX_DEPTH} levels") from None
 NOT_IN_DOUBT = "(doubt IS NULL OR doubt = 2)"
 # an ID with a call whose answer the state does not know (schema 5: every answer counted, 2xx
 # in ``paid``, the rest in ``answered``): of a crashed run's open intents, only those are in
 # doubt (one waiting for its retry after a 503 has its answer, and is not possibly billed)
 UNANSWERED_CALL = "sends > paid + answered"
 I_NOT_IN_DOUBT = NOT_IN_DOUBT.replace("doubt", "i.doubt")  # (beside an upsert's ``excluded``)
-
-
-def one_line(raw: bytes) -> bytes:
-    """Valid JSON on one line: its line breaks are whitespace (a string holds them escaped)."""
-    if b"\n" in raw or b"\r" in raw:
-        return raw.replace(b"\r", b" ").replace(b"\n", b" ")
-    return raw
 
 
 class Commit(enum.Enum):
@@ -287,7 +207,7 @@ class Record(_RecordFields):
         payload exact (the body's integers past 64 bits whole, which the fetch, to check
         that it parses, read as floats)."""
         data = self.data
-        if self.raw is not None and _LONG_DIGITS.search(self.raw):
+        if self.raw is not None and LONG_DIGITS.search(self.raw):
             data = parse_json(self.raw)
         return Result(self.id or "", self.kind, self.status, data, self.error,
                       self.permanent, self.pass_no, self.tries)

@@ -23,9 +23,10 @@ import orjson
 
 from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
+from .jsontext import json_text, one_line
 from .live import read_live
 from .progress import halt_text
-from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record, json_text, one_line
+from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
 from .store import read_store
 from .types import Halt
 

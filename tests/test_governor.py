@@ -582,21 +582,27 @@ def test_lone_429s_with_many_requests_in_flight_leave_the_rate_alone() -> None:
     assert sum(rates) / len(rates) >= 85
 
 
-def test_a_quota_lowered_mid_run_is_found_again() -> None:
-    """A server whose windowed quota drops from 100 to 60 req/s two minutes in (another client
-    took a share of the key): what it took before does not hold the rate above the new quota:
-    at most 10 % over it 40 s after the drop, and after a minute, successful requests >= 0.85
-    x 60 per second and < 5 % 429s."""
+def lowered_quota(before: int, after: int, at: float) -> Callable[[float], bool]:
+    """A server with a fixed 1-s window of ``before`` requests, ``after`` from ``at`` s on:
+    ``answer(t) -> limited`` for ``pace``."""
     state = {"window": -1, "used": 0}
 
     def answer(t: float) -> bool:
-        quota = 100 if t < 120 else 60
+        quota = before if t < at else after
         if int(t) != state["window"]:
             state["window"], state["used"] = int(t), 0
         state["used"] += 1
         return state["used"] > quota
 
-    seen = pace(RateController(max_rate=150, now=0.0), answer, seconds=420)
+    return answer
+
+
+def test_a_quota_lowered_mid_run_is_found_again() -> None:
+    """A server whose windowed quota drops from 100 to 60 req/s two minutes in (another client
+    took a share of the key): what it took before does not hold the rate above the new quota:
+    at most 10 % over it 40 s after the drop, and after a minute, successful requests >= 0.85
+    x 60 per second and < 5 % 429s."""
+    seen = pace(RateController(max_rate=150, now=0.0), lowered_quota(100, 60, 120), seconds=420)
     assert max(r for t, r, _ in seen if t >= 160) <= 1.1 * 60  # within 40 s of the drop
     late = [limited for t, _, limited in seen if t >= 180]
     assert sum(late) / len(late) < 0.05
@@ -609,17 +615,8 @@ def test_a_quota_lowered_mid_run_is_found_again_with_nothing_in_flight_after_a_4
     req/s): excused for two minutes, at a 429 every 1.3 s (a rate-limit audit). More 429s
     since that figure was last shown than 1.5 % gives by chance drop it: below 12 req/s within
     30 s of the drop (18.5 s here), and < 1 % 429s from 90 s on."""
-    state = {"window": -1, "used": 0}
-
-    def answer(t: float) -> bool:
-        quota = 40 if t < 60 else 10
-        if int(t) != state["window"]:
-            state["window"], state["used"] = int(t), 0
-        state["used"] += 1
-        return state["used"] > quota
-
-    seen = pace(RateController(max_rate=50, now=0.0), answer, seconds=180, in_flight=16,
-                latency=0.005)
+    seen = pace(RateController(max_rate=50, now=0.0), lowered_quota(40, 10, 60), seconds=180,
+                in_flight=16, latency=0.005)
     assert max(r for t, r, _ in seen if 40 <= t < 60) >= 38  # (what the server took before)
     assert next(t for t, r, _ in seen if t > 60 and r < 12) < 90
     late = [limited for t, _, limited in seen if t >= 90]
