@@ -620,7 +620,8 @@ class Fetcher:
                 return Attempt(Outcome.OK, 200, orjson.loads(body), None, None, True, body)
             except orjson.JSONDecodeError:
                 pass  # classified below
-        retry_after = None if status < 300 else parse_retry_after(headers.get("Retry-After"))
+        retry_after = None if status < 300 else parse_retry_after(
+            headers.get("Retry-After"), date=headers.get("Date"))
         if body is None:  # (over the limit: a 2xx is an answer paid for that cannot be used,
             if not 200 <= status < 300:  # any other status is what it says)
                 return self._classify(item_id, status, headers, b"")

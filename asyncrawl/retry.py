@@ -34,11 +34,15 @@ def backoff_delay(
     return ceiling
 
 
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+def parse_retry_after(value: str | None, *, now: float | None = None,
+                      date: str | None = None) -> float | None:
     """Seconds to wait according to a ``Retry-After`` header value, or ``None`` if unusable.
 
     Accepts delta-seconds (``"120"``; a decimal is tolerated) and HTTP-dates
-    (``"Wed, 21 Oct 2015 07:28:00 GMT"``). A date in the past means 0.
+    (``"Wed, 21 Oct 2015 07:28:00 GMT"``). A date is counted from the answer's own ``Date``
+    (``date``), on the server's clock, where it has one: from ours, a machine 5 minutes behind
+    the server paused 5 minutes too long for each 429, one ahead not at all. A date in the
+    past means 0.
     """
     if value is None:
         return None
@@ -51,6 +55,17 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         except ValueError:
             return None
         return seconds if math.isfinite(seconds) else None
+    ts = _http_date(value)
+    if ts is None:
+        return None
+    sent = _http_date(date.strip()) if date and len(date) <= 64 else None
+    if sent is None:
+        sent = time.time() if now is None else now
+    return max(0.0, ts - sent)
+
+
+def _http_date(value: str) -> float | None:
+    """An HTTP-date's POSIX time (RFC 9110 §5.6.7: its three forms), or ``None``."""
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):
@@ -60,10 +75,9 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     if when.tzinfo is None:  # asctime's form, "Sun Nov  6 08:49:37 1994", has none: HTTP-dates
         when = when.replace(tzinfo=datetime.UTC)  # are GMT (RFC 9110 §5.6.7)
     try:
-        ts = when.timestamp()
+        return when.timestamp()
     except (OverflowError, OSError, ValueError):
         return None
-    return max(0.0, ts - (time.time() if now is None else now))
 
 
 def retry_delay(

@@ -7,6 +7,7 @@ import random
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
+import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -172,3 +173,40 @@ def test_retry_delay_bounds(tries: int, ra: float | None, ra_max: float, seed: i
     assert 0.0 <= d <= max(60.0, ra_max)
     if ra is not None:
         assert d >= min(ra, ra_max)
+
+
+def test_a_retry_after_date_counts_from_the_answer_s_own_date() -> None:
+    """A ``Retry-After`` date is the server's clock's: counted from our clock, a machine 5
+    minutes behind the server paused 5 minutes too long for each 429, one ahead not at all
+    (a clocks audit). The answer's ``Date`` says when the server's clock said it; without a
+    usable one, ours is all there is."""
+    server_now = NOW + timedelta(minutes=5)
+    when = format_datetime(server_now + timedelta(seconds=3), usegmt=True)
+    date = format_datetime(server_now, usegmt=True)
+    assert parse_retry_after(when, now=NOW.timestamp(), date=date) == pytest.approx(3.0)
+    behind = format_datetime(NOW - timedelta(minutes=5), usegmt=True)  # (a server behind us)
+    assert parse_retry_after(format_datetime(NOW - timedelta(minutes=5) + timedelta(seconds=3),
+                                             usegmt=True), now=NOW.timestamp(),
+                             date=behind) == pytest.approx(3.0)
+    assert parse_retry_after(when, now=NOW.timestamp(), date="soon") == pytest.approx(303.0)
+
+
+async def test_the_fetch_reads_a_retry_after_date_against_the_answer_s_date() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from asyncrawl import Config
+    from asyncrawl.fetch import Fetcher
+
+    async def limited(request: web.Request) -> web.Response:
+        server_now = datetime.now(UTC) + timedelta(minutes=5)  # (its clock ahead of ours)
+        return web.Response(status=429, headers={
+            "Date": format_datetime(server_now, usegmt=True),
+            "Retry-After": format_datetime(server_now + timedelta(seconds=3), usegmt=True)})
+
+    app = web.Application()
+    app.router.add_get("/items/{id}", limited)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        cfg = Config(url=f"http://127.0.0.1:{server.port}/items/{{id}}")
+        attempt = await Fetcher(session, cfg).attempt("a")
+    assert attempt.status == 429 and attempt.retry_after == pytest.approx(3.0, abs=1.0)
