@@ -167,10 +167,21 @@ def write_live(state_dir: Path, p: Progress) -> None:
     try:  # (owner-only, as the state's other files: made 0644 under a umask of 022)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with open(fd, "wb") as f:
-            f.write(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time()}))
+            f.write(orjson.dumps(asdict(p) | {"pid": os.getpid(), "ts": time.time(),
+                                              "mono": time.monotonic()}))
         os.replace(tmp, state_dir / LIVE)
     except OSError:
         pass  # a view only; the store is what matters
+
+
+def live_age(live: dict[str, object]) -> float:
+    """How old ``live.json``'s figures are: by the clock no NTP step moves, one for the whole
+    machine (the run's, where its state is); by the wall clock only for a file without it (a
+    step of the wall clock back hid a frozen run, forward aged a healthy one by an hour)."""
+    mono, ts = live.get("mono"), live.get("ts")
+    if isinstance(mono, float):
+        return max(0.0, time.monotonic() - mono)
+    return max(0.0, time.time() - float(ts)) if isinstance(ts, int | float) else 0.0
 
 
 def read_live(state_dir: Path) -> dict[str, object] | None:

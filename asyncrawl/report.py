@@ -14,7 +14,6 @@ import logging
 import os
 import stat
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,7 +23,7 @@ import orjson
 from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
 from .jsontext import json_text, one_line
-from .live import read_live
+from .live import live_age, read_live
 from .progress import halt_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
 from .store import read_store
@@ -92,7 +91,8 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     if snap.running is not None and config.state_url is None:
         live = out["live"] = read_live(Path(config.state_dir))
         if live is not None and "ts" in live:  # (how old its figures are)
-            live["age_s"] = round(time.time() - float(live["ts"]), 1)  # type: ignore[arg-type]
+            live["age_s"] = round(live_age(live), 1)
+            live.pop("mono", None)
     if is_url(config.state):  # a shared job: each working process's progress
         from .pgstore import PgStore
 

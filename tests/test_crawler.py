@@ -12,6 +12,7 @@ import json
 import logging
 import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -1529,6 +1530,14 @@ async def test_status_says_how_old_a_running_job_s_live_figures_are(api: MockAPI
     assert "as of" not in status_text(s)
     s["live"] = {**live, "age_s": 60.0}
     assert "sending 9.5 req/s, pass 1, breaker closed (as of 60 s ago" in status_text(s)
+    # how old: by the machine's monotonic clock, which no NTP step moves (the run's wall clock
+    # stepped back an hour: a frozen run's figures looked new, or a healthy run's an hour old)
+    from asyncrawl.live import live_age
+
+    now, mono = time.time(), time.monotonic()
+    assert live_age({"ts": now - 3600.0, "mono": mono - 1.0}) == pytest.approx(1.0, abs=0.5)
+    assert live_age({"ts": now + 3600.0, "mono": mono - 20.0}) == pytest.approx(20.0, abs=0.5)
+    assert live_age({"ts": now - 30.0}) == pytest.approx(30.0, abs=0.5)  # (an older run's file)
 
 
 @pytest.mark.parametrize("fmt", ["json", "text", "bytes"])
