@@ -768,11 +768,14 @@ class Governor:
         return len(self.live)
 
     def _pick(self, now: float) -> Lane | None:
-        """The live lane whose turn comes first (``None``: every key is retired)."""
-        best, best_at = None, math.inf
+        """The live lane whose turn comes first, of those not paused if there are any (a
+        free key's turn runs ahead of now while requests queue for it: once past a paused
+        key's pause end, they picked that key and slept on its pause, and every key sent
+        nothing for ~0.8 s before each pause ended); ``None``: every key is retired."""
+        best, best_at = None, (True, math.inf)
         for lane in self.lanes:
             if not lane.retired:
-                at = max(lane.turn, lane.paused_until)
+                at = (lane.paused_until > now, max(lane.turn, lane.paused_until))
                 if at < best_at:
                     best, best_at = lane, at
         if best is not None:

@@ -809,3 +809,19 @@ async def test_requests_waiting_at_a_low_adaptive_rate_go_at_once_when_it_climbs
     passed, elapsed = await tickets(gov, 16, 0.5, lambda: gov.acquire(), then=climbs)
     assert len(passed) >= 20  # (~50 at 100/s; 1 at the slots booked before)
     assert len(passed) <= 2 + 100 * elapsed * 1.05
+
+
+async def test_a_free_key_is_picked_before_a_paused_one_whose_pause_ends_first() -> None:
+    """With several keys, a free key's turn runs ahead of now while requests queue for it; a
+    paused key whose pause ends before that turn was picked, and the request slept on its
+    pause: every key sent nothing for ~0.8 s before each 429's pause ended (a keys audit)."""
+    gov = Governor(rate=200, burst=1, keys=2)
+    now = asyncio.get_running_loop().time()
+    paused, free = gov.lanes
+    paused.paused_until = now + 0.8
+    free.turn = now + 0.9  # (requests queued for it)
+    assert gov._pick(now) is free
+    free.paused_until = now + 0.5  # every key paused: the one that may send first (0.8 s)
+    assert gov._pick(now) is paused
+    paused.retired = free.retired = True
+    assert gov._pick(now) is None
