@@ -206,11 +206,14 @@ class RateController:
                     self._resume(now)
         if asked:
             self._asked.append(now)
+        # an answer about the rate of now: to a request sent since the last cut, and for a
+        # 429 not in the second after it (the overrun the cut answered: its window not reset)
+        current = sent_at >= self._last_cut and not (limited and sent_at < self._settle)
         if limited:
             self._clean_stretch(now, sent_at)
             self._proven_limited += 1
             self._limited_recent.append(now)
-            if sent_at >= self._last_cut and sent_at >= self._settle:  # (else the old rate's)
+            if current:
                 second = self._recent_share(now)
                 self._episode_share = max(self._episode_share, second)
                 if len(self._recent) + len(self._limited_recent) >= 5:
@@ -218,10 +221,8 @@ class RateController:
         elif self._stretch is not None and sent_at >= self._stretch:
             self._stretch_took += 1
         self._proven_answers += 1  # (after ``_clean_stretch``: this answer is of the new count)
-        if sent_at >= self._last_cut:
-            if limited and sent_at < self._settle:
-                pass  # (the overrun the last cut answered: its window not reset yet)
-            elif limited:
+        if current:
+            if limited:
                 self._limited += 1
                 if self._decide_at is None:
                     self._episode_answers = 0

@@ -188,11 +188,13 @@ class Record(_RecordFields):
 
     @property
     def payload(self) -> Any:
-        """An ``ok`` record's payload: ``data``, else the parsed ``raw`` body (an integer past
-        64 bits kept whole: orjson reads it as a float, and CSV and Parquet exports wrote
-        ``1.2345678901234568e+22`` for ``12345678901234567890123``)."""
-        if self.data is None and self.raw is not None:
-            return parse_json(self.raw)
+        """A record's payload: the parsed ``raw`` body of an ``ok`` one where there is no
+        ``data``, or where it holds a number orjson may not have read exactly (kept whole:
+        CSV and Parquet exports wrote ``1.2345678901234568e+22`` for
+        ``12345678901234567890123``, ``on_result`` had floats); else ``data``."""
+        raw = self.raw
+        if raw is not None and (self.data is None or LONG_DIGITS.search(raw)):
+            return parse_json(raw)  # (a fetch's ``data`` is orjson's, to check that it parses)
         return self.data
 
     def stored_payload(self) -> bytes | None:
@@ -203,13 +205,9 @@ class Record(_RecordFields):
         return orjson.dumps(self.data) if self.data is not None else None
 
     def result(self) -> Result:
-        """The ``Result`` an outcome record stands for (what ``on_result`` receives): its
-        payload exact (the body's integers past 64 bits whole, which the fetch, to check
-        that it parses, read as floats)."""
-        data = self.data
-        if self.raw is not None and LONG_DIGITS.search(self.raw):
-            data = parse_json(self.raw)
-        return Result(self.id or "", self.kind, self.status, data, self.error,
+        """The ``Result`` an outcome record stands for (what ``on_result`` receives), its
+        payload exact (``payload``)."""
+        return Result(self.id or "", self.kind, self.status, self.payload, self.error,
                       self.permanent, self.pass_no, self.tries)
 
     def encode(self) -> bytes:

@@ -348,10 +348,14 @@ class Run:
         if self._answered or not tries or tries < self._unanswered_tries or self.stop.is_set():
             return
         kind, n = self._incurable.most_common(1)[0]
-        each = f"each of the {n}" if n == tries else f"{n} of the {tries}"
+        self._unreachable(kind, f"each of the {n}" if n == tries else f"{n} of the {tries}")
+
+    def _unreachable(self, kind: ErrorKind, each: str, yet: str = "") -> None:
+        """Stop the run (exit 2): no try has had an answer, ``each`` failing with ``kind``,
+        an error waiting cannot cure, whose fix the message says."""
         self.stop.set(Halt("unreachable", None, self.config.redact(
-            f"{self._incurable_error[kind]} on {each} requests, and no answer: "
-            f"{INCURABLE[kind]}")))
+            f"{self._incurable_error[kind]} on {each} requests, and no answer"
+            f"{f' {yet}' if yet else ''}: {INCURABLE[kind]}")))
 
     async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
                            writer: AnyWriter, second: Callable[[], AsyncIterator[Chunk]] | None,
@@ -714,14 +718,12 @@ class Run:
             return
         self._unanswered_tries += 1
         kind = attempt.kind
-        if kind is None or (fix := INCURABLE.get(kind)) is None:
+        if kind is None or kind not in INCURABLE:
             return
         self._incurable[kind] += 1
         self._incurable_error[kind] = attempt.error or ""
         if self._incurable[kind] >= INCURABLE_AFTER and not self.stop.is_set():
-            self.stop.set(Halt("unreachable", None, self.config.redact(
-                f"{attempt.error} on each of the first {self._incurable[kind]} requests, and no "
-                f"answer yet: {fix}")))
+            self._unreachable(kind, f"each of the first {self._incurable[kind]}", "yet")
 
     def _no_files(self, attempt: Attempt) -> None:
         """A try this machine could not make (no file for a socket): it waits, uncharged, for
