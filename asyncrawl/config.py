@@ -458,6 +458,36 @@ REMOVED_KEYS: dict[str, str] = {
 FIELD_KEYS = {v: k for k, v in TOML_KEYS.items()}
 
 
+def _keywords_checked(init: Any) -> Any:
+    """``Config.__init__`` that raises a ``ConfigError`` naming the keyword (and the field it
+    may have meant) for a misspelt, positional or missing argument, where the dataclass's own
+    ``__init__`` raises a bare ``TypeError`` that no ``except AsyncrawlError`` catches."""
+    import functools
+
+    names = tuple(f.name for f in fields(Config) if f.init)
+
+    @functools.wraps(init)
+    def checked(self: Config, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise ConfigError(f"Config takes keyword arguments only (Config(url=..., rate=...)), "
+                              f"got {len(args)} positional")
+        for name in kwargs:
+            if name not in names:
+                import difflib
+
+                near = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ConfigError(f"unknown Config field{hint}", key=name)
+        if "url" not in kwargs:
+            raise ConfigError("is required (the URL template with {id})", key=FIELD_KEYS["url"])
+        init(self, **kwargs)
+
+    return checked
+
+
+Config.__init__ = _keywords_checked(Config.__init__)  # type: ignore[method-assign]
+
+
 _FLAGS = {"state_dir": "--state", "state_url": "--state", "verify_tls": "--insecure",
           "second_pass": "--no-second-pass", "headers": "-H", "body": "--data"}
 

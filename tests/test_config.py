@@ -495,3 +495,24 @@ def test_a_missing_extra_is_named_and_a_broken_one_says_why(
     (tmp_path / "halfextra" / "__init__.py").write_text("import no_such_dependency_here\n")
     with pytest.raises(ConfigError, match="cannot be imported: No module named"):
         require_extra("halfextra", "parquet", "export --format parquet")
+
+
+# -- the library's keywords ----------------------------------------------------------------------
+
+
+def test_a_misspelt_missing_or_positional_argument_is_a_config_error() -> None:
+    """The dataclass's own __init__ raised a bare TypeError: no ``except AsyncrawlError``
+    caught it, and it named no field the user may have meant."""
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="did you mean 'concurrency'") as e:
+        Config(url=URL, concurency=8)  # type: ignore[call-arg]
+    assert e.value.key == "concurency"
+    with pytest.raises(ConfigError, match="did you mean 'rate'"):
+        replace(Config(url=URL), ratee=3)
+    with pytest.raises(ConfigError, match="is required") as e:
+        Config()  # type: ignore[call-arg]
+    assert e.value.key == "request.url"
+    with pytest.raises(ConfigError, match="keyword arguments only"):
+        Config(URL)  # type: ignore[call-arg]
+    assert replace(Config(url=URL, rate=3), rate=5).rate == 5
