@@ -453,7 +453,9 @@ PAYLOAD_ID = "data.id"  # the column of a payload's own ``id`` field: ``id`` is 
 def _row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
     """One exported record as CSV and Parquet see it: for ok, ``id`` (the ID crawled) and the
     payload's top-level fields, its own ``id`` field (an API's numeric key, say) as ``data.id``:
-    it must not take the crawled ID's place."""
+    it must not take the crawled ID's place. A field of the payload named ``data.id`` itself
+    then moves to ``data.data.id`` (and on, while that name is taken): no field's value is
+    dropped for another's."""
     if outcome != "ok":
         return rec
     data = rec["data"]
@@ -461,7 +463,15 @@ def _row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
         return {"id": rec["id"], "data": data}
     if "id" not in data:
         return {"id": rec["id"], **data}
-    return {"id": rec["id"], **{PAYLOAD_ID if k == "id" else k: v for k, v in data.items()}}
+    row = {"id": rec["id"]}
+    for k, v in data.items():
+        if k == "id":
+            k = PAYLOAD_ID
+        elif k == PAYLOAD_ID:
+            while k in data or k == PAYLOAD_ID:
+                k = "data." + k
+        row[k] = v
+    return row
 
 
 def _cell(v: Any) -> str:

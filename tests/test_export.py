@@ -175,3 +175,26 @@ def test_csv_says_when_fields_past_the_first_records_are_left_out(
         rows = _csv(_raw_state(tmp_path, bodies))
     assert rows[0] == ["id", "a"] and len(rows) == LOOKAHEAD + 2
     assert "1 of 101 records had fields that no column holds" in caplog.text
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_payload_field_named_data_id_beside_its_own_id_keeps_its_value(
+        tmp_path: Path, fmt: str) -> None:
+    """The payload's ``id`` is the column ``data.id``: a field of that very name lost its value
+    to it (or took its place), whichever came last, and nothing said so."""
+    payloads = {"a": {"data.id": "literal", "id": 7, "data.data.id": "deeper"},
+                "b": {"id": 8, "data.id": "other"}}
+    state = settled_state(tmp_path / "state", [Record("ok", k, status=200, data=v, paid=1, tries=1)
+                                               for k, v in payloads.items()])
+    cfg = Config(url="http://unused/{id}", state_dir=str(state))
+    if fmt == "csv":
+        rows = _csv(cfg)
+        got = {r[0]: dict(zip(rows[0], r, strict=True)) for r in rows[1:]}
+    else:
+        pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+        export(cfg, fmt="parquet", path=str(tmp_path / "x.parquet"))
+        got = {r["id"]: {k: str(v) if v is not None else "" for k, v in r.items()}
+               for r in pq.read_table(tmp_path / "x.parquet").to_pylist()}
+    assert got["a"]["data.id"] == "7" and got["b"]["data.id"] == "8"
+    assert got["a"]["data.data.data.id"] == "literal" and got["a"]["data.data.id"] == "deeper"
+    assert got["b"]["data.data.id"] == "other"
