@@ -815,6 +815,16 @@ def _check_values(c: Config) -> None:
             raise bad("headers", f"{seen[k.lower()]!r} and {k!r} are one header (a "
                                  "header's name has no case): keep one")
         seen[k.lower()] = k
+        if "{id}" in k or "{id}" in str(c.headers[k]):  # (every request got the same "{id}")
+            raise bad("headers", f"{k!r}: {{id}} is not filled in a header; headers are the "
+                                 "same for every request (the ID goes in the URL, a query "
+                                 "parameter's value or the body)")
+    if c.content_type is not None and "content-type" in seen:
+        raise bad("content_type", f"and the header {seen['content-type']!r} both give the "
+                                  "body's type: give it once")
+    for k in c.params:
+        if "{id}" in str(k):
+            raise bad("params", f"{k!r}: {{id}} is filled in a parameter's value, not its name")
     _check_keys(c)
     authorized = "authorization" in seen or (
         bool(c.keys) and c.key_param is None and c.key_header.lower() == "authorization")

@@ -260,7 +260,10 @@ def body_maker(config: Config) -> tuple[Callable[[str], bytes] | None, str | Non
 
         return (lambda item: orjson.dumps(fill(template, item))), "application/json"
     if config.body is not None:
-        ctype = config.content_type or "text/plain; charset=utf-8"
+        # the type the request says it has: a Content-Type header (-H) wins over content_type
+        # (``RequestBuilder`` sends that header then), and the body is encoded as it says
+        given = [v for k, v in config.headers.items() if k.lower() == "content-type"]
+        ctype = str(given[0]) if given else config.content_type or "text/plain; charset=utf-8"
         form = ctype.split(";")[0].strip().lower() == "application/x-www-form-urlencoded"
         pieces = config.body.split("{id}")
 

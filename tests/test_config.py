@@ -516,3 +516,19 @@ def test_a_misspelt_missing_or_positional_argument_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="keyword arguments only"):
         Config(URL)  # type: ignore[call-arg]
     assert replace(Config(url=URL, rate=3), rate=5).rate == 5
+
+
+@pytest.mark.parametrize(("kwargs", "key", "says"), [
+    ({"headers": {"X-Note": "{id}"}}, "request.headers", "not filled in a header"),
+    ({"params": {"{id}": "x"}}, "request.params", "value, not its name"),
+    ({"method": "POST", "body": "a={id}", "content_type": "text/plain",
+      "headers": {"content-type": "application/x-www-form-urlencoded"}},
+     "request.content_type", "give it once"),
+])
+def test_an_id_where_it_is_never_filled_in_or_a_body_typed_twice_is_refused(
+        kwargs: dict[str, Any], key: str, says: str) -> None:
+    """Each was sent as written: every request of the crawl the same literal ``{id}``, paid
+    for; or a body encoded for one type and labelled with the other."""
+    with pytest.raises(ConfigError, match=says) as e:
+        Config(url=URL, **kwargs)
+    assert e.value.key == key

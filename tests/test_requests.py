@@ -97,6 +97,29 @@ async def test_form_body_encodes_the_id(recorder: Any, tmp_path: Path) -> None:
     assert all(b"v=1" in b for _, _, b in rec.seen)
 
 
+async def test_a_form_type_given_as_a_header_form_encodes_the_id(recorder: Any,
+                                                                   tmp_path: Path) -> None:
+    """``-H 'Content-Type: application/x-www-form-urlencoded' --data 'note_id={id}'`` (the
+    command line has no other way to type a body) sent the ID raw: ``p&q=r`` reached the
+    server as note_id ``p`` plus a field ``q``, and was paid for and recorded as ``p&q=r``."""
+    from urllib.parse import parse_qs
+
+    rec, base = recorder
+    ids = write_ids(tmp_path / "ids.txt", ODD)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncrawl", "run", "--url", base + "/v1/notes/query",
+        "--ids", str(ids), "--state", str(tmp_path / "state"), "-X", "POST",
+        "-H", "content-type: application/x-www-form-urlencoded", "--data", "note_id={id}&v=1",
+        "--no-progress", cwd=tmp_path, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    forms = [parse_qs(b.decode(), keep_blank_values=True, strict_parsing=True)
+             for _, _, b in rec.seen]
+    assert sorted(f["note_id"][0] for f in forms) == sorted(ODD)
+    assert all(set(f) == {"note_id", "v"} for f in forms)
+
+
 async def test_cli_posts_a_json_body_from_the_command_line(recorder: Any, tmp_path: Path) -> None:
     rec, base = recorder
     ids = write_ids(tmp_path / "ids.txt", ODD)
