@@ -47,7 +47,10 @@ MAX_CONCURRENCY = 10_000  # requests in flight: more is no rate-limited API's
 MIN_LEASE = 1.2  # seconds: four of a shared job's heartbeats (pgstore.HEARTBEAT, 0.3 s)
 UNUSED_URL = "http://unused/{id}"  # the URL of a config that only reads the state (status, export)
 
-_SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key)", re.I)
+# a header's name that says it carries a credential (sent to no other origin, its value
+# redacted): as the query parameters' names below, a word auth, sig, signature or credential
+_SECRET_HEADER = re.compile(r"(authorization|cookie|token|secret|password|(^|[-_])key$|api[-_]?key"
+                            r"|credential|signature|(^|[-_])(auth|sig)([-_]|$))", re.I)
 # a query parameter's name that says it carries a credential: a word of it (between - _ .) is
 # secret, password, credential, signature or auth (client_secret, X-Amz-Signature, auth), or
 # it holds api/access/private/client/... key or token (access_key, private_token, apiKey), or

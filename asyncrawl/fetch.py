@@ -494,6 +494,16 @@ class Fetcher:
             kind, error = _connect_error(e, self._proxy)
             return Attempt(Outcome.RETRY, None, error=cfg.redact(error)[:500], kind=kind,
                            sent_nothing=hop == 0)
+        except aiohttp.ClientHttpProxyError as e:  # the proxy refused an https:// tunnel
+            # (CONNECT): nothing reached the API. A status the config makes fatal (407: the
+            # proxy refuses the credentials) halts, as the same answer to an http:// request
+            # does; any other is the proxy failing to reach the API, tried again
+            fatal = status_class(e.status, cfg) is Outcome.FATAL
+            return Attempt(Outcome.FATAL if fatal else Outcome.RETRY, e.status if fatal else None,
+                           error=cfg.redact(f"the proxy answered CONNECT with HTTP {e.status} "
+                                            f"{e.message}".rstrip())[:300],
+                           kind=ErrorKind.HTTP if fatal else ErrorKind.PROXY,
+                           sent_nothing=hop == 0)
         except (aiohttp.ClientError, OSError) as e:  # (OSError: a socket error not wrapped)
             if getattr(e, "errno", None) in _OUT_OF_FILES:  # (no socket: nothing was sent)
                 return Attempt(Outcome.RETRY, None, error=_out_of_files(e),
@@ -533,9 +543,10 @@ class Fetcher:
             why = "too many redirects" if allowed else "redirect not followed"
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
                 f"{why}: Location {shown}")[:500], kind=ErrorKind.REDIRECT)
-        if not same:  # never carry credentials to another origin
+        if not same:  # never carry credentials to another origin (nor its Host)
             headers = {k: v for k, v in headers.items()
-                       if not cfg.is_secret_header(k) and cfg.redact(v) == v}
+                       if not cfg.is_secret_header(k) and cfg.redact(v) == v
+                       and k.lower() != "host"}
             target = _without_credentials(target, cfg)
         return target, headers
 

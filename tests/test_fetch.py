@@ -584,6 +584,22 @@ async def test_cross_origin_redirect_drops_env_secrets_in_any_header(
     assert "sig-0123456789" not in str(other.hits[0][1])
 
 
+async def test_cross_origin_redirect_drops_literal_auth_and_signature_headers(
+    server: Server, other: Server, session: aiohttp.ClientSession
+) -> None:
+    """``X-Auth`` and ``X-Signature`` with values written in the config (no ${ENV}) went to
+    the other origin, though a query parameter named auth or signature counted as secret."""
+    headers = {**HEADERS, "X-Auth": "literal77", "X-Signature": "SIG2", "X-Req-Sig": "s3",
+               "X-Credential": "c4", "X-Client": "asyncrawl-tests"}
+    a = await attempt(session, redirect_url(server, other.base + "/items/elsewhere"), "x",
+                      follow_redirects="any", headers=headers)
+    assert a.outcome is Outcome.OK
+    sent = other.hits[0][1]
+    for name in ("X-Auth", "X-Signature", "X-Req-Sig", "X-Credential"):
+        assert name not in sent and server.hits[0][1][name] == headers[name]
+    assert sent.get("X-Client") == "asyncrawl-tests"
+
+
 async def test_redirect_loop_stops(server: Server, session: aiohttp.ClientSession) -> None:
     a = await attempt(session, server.base + "/loop/{id}", "x", max_redirects=2)
     assert a.outcome is Outcome.SKIP

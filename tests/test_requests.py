@@ -231,6 +231,48 @@ async def test_proxy_flag_expands_env_and_a_proxy_refusing_it_halts_the_job(
     assert json.loads(r.stdout)["unavailable"] == 0  # nothing given up on: a rerun fetches all
 
 
+@pytest.mark.parametrize(("status", "code", "unavailable"), [(407, 3, 0), (502, 2, 0)])
+async def test_a_proxy_refusing_an_https_tunnel_is_what_it_says(
+        tmp_path: Path, status: int, code: int, unavailable: int) -> None:
+    """An https:// API through a proxy: the proxy's answer to CONNECT comes as aiohttp's
+    ClientHttpProxyError, which was taken for a dropped connection (possibly billed): a 407
+    (credentials refused) was retried, every ID ended confirmed unavailable, exit 0, where the
+    same 407 for an http:// API halts (exit 3). Now a 407 halts; another refusal of every
+    tunnel is an unreachable API (exit 2); nothing of it reached the API, nor is billed."""
+    tunnels: list[bytes] = []
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        tunnels.append(head.split(b" ", 2)[0])
+        writer.write(b"HTTP/1.1 %d Refused\r\nProxy-Authenticate: Basic realm=\"p\"\r\n"
+                     b"Content-Length: 0\r\nConnection: close\r\n\r\n" % status)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ids = write_ids(tmp_path / "ids.txt", [f"t{i}" for i in range(6)])
+    secret = "tunn3l-pw-77"
+    try:
+        code_got, err = await _cli(
+            "run", "--url", "https://api.invalid:9/items/{id}", "--ids", str(ids), "--state",
+            str(tmp_path / "state"), "--no-progress", "--max-tries", "2", "--rate", "100", "--cooldown", "0",
+            "--proxy", f"http://crawler:{secret}@127.0.0.1:{port}", env=_cli_env(),
+            cwd=tmp_path)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert code_got == code, err
+    assert tunnels and set(tunnels) == {b"CONNECT"}
+    assert secret not in err
+    r = cli("status", "--state", str(tmp_path / "state"), "--json", env=_cli_env())
+    st = json.loads(r.stdout)
+    assert st["unavailable"] == unavailable and st["billable"] == 0
+    assert st["no_answer"] == 0 and st["in_doubt"] == 0, st  # the API saw nothing
+    if status == 407:
+        assert st["halt"]["status"] == 407
+
+
 async def test_a_proxy_whose_name_does_not_resolve_says_check_the_proxy(tmp_path: Path) -> None:
     """The hint said to check the host name of [request] url."""
     ids = write_ids(tmp_path / "ids.txt", ["a"])
