@@ -355,10 +355,22 @@ class SqliteStore:
             raise ConfigError(f"{d} {what}: nothing has run with this state directory (check "
                               "--state, or [state] dir in the config)")
         try:
-            db = sqlite3.connect(f"file:{d / DB}?mode=ro", uri=True, check_same_thread=False)
-            db.execute("PRAGMA query_only = 1")
+            try:
+                db = _read_only(d / DB)
+            except sqlite3.Error as e:
+                # WAL's index (state.db-shm) is gone (the last client to close deletes it, as
+                # sqlite3's shell does) and cannot be made again here (a read-only mount or
+                # directory): with no WAL content left, nothing writes the database, whose
+                # file alone holds it all, and it is read as the unchanging file it is
+                wal = d / f"{DB}-wal"
+                if e.sqlite_errorcode not in _NO_INDEX or (wal.exists() and wal.stat().st_size):
+                    raise
+                db = _read_only(d / DB, immutable=True)
             version = db.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.Error as e:
+        except (sqlite3.Error, OSError) as e:
+            if isinstance(e, OSError):
+                raise StorageError(f"cannot read the state directory: {e.strerror}",
+                                   path=d) from None
             raise _storage_error(e, d / DB, "read the state database") from None
         _check_version(version, d / DB)
         return cls(d, db)
@@ -1236,6 +1248,22 @@ def _connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+# what opening a WAL database read-only says where its index cannot be made
+_NO_INDEX = (sqlite3.SQLITE_CANTOPEN, getattr(sqlite3, "SQLITE_READONLY_DIRECTORY", 1544))
+
+
+def _read_only(path: Path, *, immutable: bool = False) -> sqlite3.Connection:
+    db = sqlite3.connect(f"file:{path}?mode=ro{'&immutable=1' if immutable else ''}", uri=True,
+                         check_same_thread=False)
+    try:
+        db.execute("PRAGMA query_only = 1")
+        db.execute("PRAGMA user_version").fetchone()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def _check_version(version: int, path: Path) -> None:
     if version not in (SCHEMA_VERSION, *MIGRATIONS):
         raise StorageError(
@@ -1257,6 +1285,11 @@ def _ensure_schema(db: sqlite3.Connection, path: Path) -> None:
         log.info("upgraded the state database %s from schema version %s to %s", path,
                  version, version + 1)
         version += 1
+    # schema 5 as a development tree made it for a while (006720b): without items.unusable
+    if not any(row[1] == "unusable" for row in db.execute("PRAGMA table_info(items)")):
+        db.executescript("BEGIN IMMEDIATE;ALTER TABLE items ADD COLUMN unusable INTEGER NOT "
+                         "NULL DEFAULT 0;COMMIT;")
+        log.info("upgraded the state database %s: items.unusable added", path)
 
 
 __all__ = ["DB", "SqliteStore"]

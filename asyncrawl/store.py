@@ -59,11 +59,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol, overload
 
 from .config import is_url
+from .errors import ConfigError
 from .records import Bought, Counts, Record, Snapshot
-from .sqlstore import SqliteStore
+from .sqlstore import DB, SqliteStore
 
 
 class Store(Protocol):
@@ -138,6 +140,16 @@ def read_store(location: str | os.PathLike[str], *, missing_ok: bool = False,
             if missing_ok:
                 return None
             raise
+    not_a_dir(Path(location))
     if missing_ok and not SqliteStore.exists(location):
         return None
     return SqliteStore.reader(location)
+
+
+def not_a_dir(d: Path) -> None:
+    """``ConfigError`` where the state directory given is a file (``--state notes/state.db``,
+    say: the database the README's examples query), which would read as no state at all."""
+    if d.exists() and not d.is_dir():
+        hint = f"; the state directory is {d.parent}" if d.name == DB else ""
+        raise ConfigError(f"the state directory (--state, [state] dir) is a file here, not a "
+                          f"directory{hint}", path=d)

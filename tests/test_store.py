@@ -286,6 +286,64 @@ async def test_a_database_of_schema_2_is_read_and_upgraded(tmp_path: Path) -> No
         ("e", '{"e":1}')]
 
 
+async def test_a_schema_5_database_without_its_unusable_count_is_completed(
+        tmp_path: Path) -> None:
+    """Schema 5 as a development tree made it for a while (006720b, before ``unusable``):
+    every run on it stopped with exit 5 (no such column: i.unusable)."""
+    from .conftest import _rewrite
+
+    state = tmp_path / "state"
+    await committed(state, RECORDS)
+    _rewrite(state / DB, "ALTER TABLE items DROP COLUMN unusable;")
+    store = await open_store(state)
+    try:
+        assert await store.unusable(["a", "d/ü"]) == {}
+        await store.admit(["a", "z"])
+    finally:
+        await store.close()
+    assert "unusable" in [row[1] for row in db_rows(state, "PRAGMA table_info(items)")]
+    assert db_rows(state, "PRAGMA user_version") == [(5,)]
+
+
+async def test_a_state_database_given_as_the_state_directory_is_named_as_such(
+        tmp_path: Path) -> None:
+    """``--state notes/state.db`` (the file the README's queries open): ``status`` said no run
+    had used it, and a dry run that nothing was done yet."""
+    state = tmp_path / "state"
+    await committed(state, RECORDS)
+    for missing_ok in (False, True):
+        with pytest.raises(ConfigError, match=f"is a file here.*the state directory is {state}"):
+            read_store(state / DB, missing_ok=missing_ok)
+
+
+def test_a_state_on_a_read_only_mount_without_its_wal_index_is_read(tmp_path: Path) -> None:
+    """``state.db-shm`` is deleted by the last client to close the database (sqlite3's shell,
+    say); on a read-only mount it cannot be made again, and status and export failed (exit 5,
+    SQLITE_CANTOPEN) on a state whose file holds everything. A mount namespace of its own
+    (``unshare -m``) for the read-only tmpfs."""
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare -m): a read-only mount cannot be made")
+    state = tmp_path / "state"
+    asyncio.run(committed(state, RECORDS))
+    db = sqlite3.connect(state / DB)  # (a read-write client: its close removes -wal and -shm)
+    db.execute("SELECT count(*) FROM results").fetchone()
+    db.close()
+    assert not (state / f"{DB}-shm").exists()
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    script = (f"mount -t tmpfs none {ro} && cp -r {state} {ro}/ && mount -o remount,ro {ro} && "
+              f"{sys.executable} -m asyncrawl export --state {ro}/state --format ids")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                          text=True, cwd=tmp_path)
+    if "mount:" in done.stderr:
+        pytest.skip(f"no read-only mount here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == sorted(r.id for r in RECORDS if r.kind == "ok")
+
+
 async def test_where_no_writing_process_can_start_the_run_writes_in_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """An application that embeds asyncrawl where ``sys.executable`` runs no Python: the store
