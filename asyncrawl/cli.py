@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--fields", metavar="a,b,...",
                     help="CSV columns: top-level fields or dotted paths into the payload "
                          "(author.name); an unknown one is an error")
-    ex.add_argument("-o", "--output", metavar="FILE", help="write atomically to FILE")
+    ex.add_argument("-o", "--output", metavar="FILE",
+                    help="write atomically to FILE (-: standard output, the default)")
 
     demo = sub.add_parser("demo", help="a complete crawl against a local fault-injecting mock API")
     demo.add_argument("--ids", type=int, default=5000, metavar="N", help="how many IDs (5000)")
@@ -774,9 +775,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         if len(set(fields)) < len(fields):
             twice = next(f for f in fields if fields.count(f) > 1)
             raise ConfigError(f"{twice!r} is given twice", key="--fields")
-    with _to_stdout() if args.output is None else contextlib.nullcontext():
+    output = None if args.output == "-" else args.output  # (-o -: stdout, as --ids - is stdin)
+    with _to_stdout() if output is None else contextlib.nullcontext():
         export(config, outcome=args.outcome, fmt=args.format, fields=fields,
-               out=sys.stdout, path=args.output)
+               out=sys.stdout, path=output)
     return 0
 
 

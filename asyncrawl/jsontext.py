@@ -60,6 +60,19 @@ def json_text(value: Any) -> str:
         return text
 
 
+def writable(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a lone surrogate (a JSON string's ``\\ud83d`` escape, which
+    ``parse_json`` keeps) spelt as that escape, where writing it stopped a CSV or Parquet
+    export (UnicodeEncodeError)."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
 def one_line(raw: bytes) -> bytes:
     """Valid JSON on one line: its line breaks are whitespace (a string holds them escaped)."""
     if b"\n" in raw or b"\r" in raw:

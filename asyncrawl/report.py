@@ -22,10 +22,14 @@ import orjson
 
 from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
-from .jsontext import json_text, one_line
-from .live import live_age, read_live
+from .journal import JOURNAL
+from .jsontext import json_text, one_line, writable
+from .live import LIVE, live_age, read_live
+from .lockfile import LOCK
 from .progress import halt_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
+from .sqlproc import INTENTS
+from .sqlstore import DB
 from .store import read_store
 from .types import Halt
 
@@ -199,6 +203,8 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
                               f"--format {fmt} has none to choose")
         if "id" not in fields:  # a row without its ID is no use: id first, unless placed
             fields = ["id", *fields]
+    if path is not None and not is_url(config.state):
+        _not_the_state(Path(config.state_dir), path)
     if fmt == "parquet":
         if path is None:
             raise ConfigError("--format parquet writes a file: give -o FILE (e.g. -o notes.parquet)")
@@ -206,15 +212,13 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
 
         check()
 
-        def rows() -> Iterator[dict[str, Any]]:
-            return (_row(rec, outcome) for rec in _records(config, outcome))
-
-        if fields:  # a misspelt field is an error, not an empty column
-            _check_fields(rows(), fields, lambda row: row)
         target, special = _output(path)
         if special:  # (pyarrow seeks in what it writes)
             raise ConfigError(f"--format parquet writes a regular file; {path} is not one",
                               key="--output")
+        rows: Iterator[dict[str, Any]] = (_row(rec, outcome) for rec in _records(config, outcome))
+        if fields:  # a misspelt field is an error, not an empty column
+            rows = _check_fields(rows, fields, lambda row: row)
         return write_parquet(rows, target, fields, _get, _MISSING,
                              empty=_COLUMNS.get(outcome, ["id"]))
     if fmt == "ids" and outcome not in _ID_LISTS:
@@ -225,6 +229,21 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
         return _emit(lambda f: _write_ok_jsonl(payloads, f), out, path)
     records = _records(config, outcome)
     return _emit(lambda f: _write(records, outcome, fmt, fields, f), out, path)
+
+
+# the files of a state directory, which an export must not replace: the database (its WAL
+# and index), the intent log, the lock, the live figures, an earlier release's journal
+_STATE_FILES = frozenset({DB, f"{DB}-wal", f"{DB}-shm", INTENTS, LOCK, LIVE, JOURNAL,
+                          f"{JOURNAL}.imported"})
+
+
+def _not_the_state(state_dir: Path, path: str) -> None:
+    """``ConfigError`` where ``-o`` names a file of the state itself (``-o state/state.db``
+    replaced the database with the export: the job, and a running run's writes, lost)."""
+    target = Path(os.path.realpath(path))
+    if target.name in _STATE_FILES and target.parent == Path(os.path.realpath(state_dir)):
+        raise ConfigError(f"{path} is a file of the state directory {state_dir} (the export "
+                          "would replace it): write the export elsewhere", key="--output")
 
 
 def _write_ok_jsonl(payloads: Iterator[tuple[str, bytes | None]], out: TextIO) -> int:
@@ -415,7 +434,7 @@ def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,
                 cols = fields or cols
                 col_set = set(cols)
                 writer = csv.writer(out)
-                writer.writerow(cols)
+                writer.writerow([writable(c) for c in cols])
             if not fields and not row.keys() <= col_set:
                 left_out += 1
             writer.writerow([_cell(_get(row, c)) for c in cols])
@@ -481,6 +500,8 @@ def _cell(v: Any) -> str:
         return ""
     if isinstance(v, dict | list | bool):
         return json_text(v)
+    if isinstance(v, str):
+        return writable(v)
     return str(v)
 
 

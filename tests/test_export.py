@@ -8,6 +8,7 @@ import io
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from asyncrawl import Config, ConfigError
 from asyncrawl.records import Record
 from asyncrawl.report import export
 
-from .conftest import settled_state
+from .conftest import cli, settled_state
 
 # an API that keys its objects by numbers of its own, fetched by slug
 PAYLOADS = {
@@ -198,3 +199,69 @@ def test_a_payload_field_named_data_id_beside_its_own_id_keeps_its_value(
     assert got["a"]["data.id"] == "7" and got["b"]["data.id"] == "8"
     assert got["a"]["data.data.data.id"] == "literal" and got["a"]["data.data.id"] == "deeper"
     assert got["b"]["data.data.id"] == "other"
+
+
+def test_a_parquet_export_is_one_read_of_the_state(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parquet's columns were found in one read of the store and the rows written from a
+    second: results a run committed in between came without their fields (dropped without
+    a word), or with a new type that stopped the export. Here a run commits new results with
+    a field of their own while the export reads."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    from asyncrawl import report
+
+    cfg = _state(tmp_path)
+    real, added = report._row, []
+
+    def row(rec: dict[str, Any], outcome: str) -> dict[str, Any]:
+        if not added:  # (a run's commit, while the export is under way)
+            added.append(settled_state(tmp_path / "state", [
+                Record("ok", f"new{i}", status=200, data={"only_new": i}, paid=1, tries=1)
+                for i in range(3)]))
+        return real(rec, outcome)
+
+    monkeypatch.setattr(report, "_row", row)
+    n = export(cfg, fmt="parquet", path=str(tmp_path / "x.parquet"))
+    table = pq.read_table(tmp_path / "x.parquet")
+    rows = table.to_pylist()
+    assert added and n == len(rows) >= len(PAYLOADS)
+    new = [r for r in rows if r["id"].startswith("new")]
+    assert all(r["only_new"] is not None for r in new), rows
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_a_lone_surrogate_in_a_payload_string_is_written_as_its_escape(
+        tmp_path: Path, fmt: str) -> None:
+    """JSON allows ``"\\ud83d"`` (a JavaScript backend that cut a string in an emoji), and the
+    payload keeps it; written to a file or stdout (strict UTF-8), a CSV or Parquet export
+    stopped at it (UnicodeEncodeError: exit 1, "internal error")."""
+    if fmt == "parquet":
+        pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+    state = settled_state(tmp_path / "state", [
+        Record("ok", "a", status=200, data={"title": "cut \ud83d here", "k\udc00": 1}, paid=1,
+               tries=1, raw=b'{"title": "cut \\ud83d here", "k\\udc00": 1}')])
+    out = tmp_path / f"x.{fmt}"
+    r = cli("export", "--state", str(state), "--format", fmt, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    if fmt == "csv":
+        rows = list(csv.reader(io.StringIO(out.read_text(encoding="utf-8"))))
+        assert rows == [["id", "title", "k\\udc00"], ["a", "cut \\ud83d here", "1"]]
+    else:
+        assert pq.read_table(out).to_pylist() == [
+            {"id": "a", "title": "cut \\ud83d here", "k\\udc00": 1}]
+
+
+def test_an_export_does_not_replace_a_file_of_the_state(tmp_path: Path) -> None:
+    """``-o state/state.db`` replaced the database with the export, exit 0: the job gone (and
+    a running run's writes, into the file's old inode)."""
+    state = settled_state(tmp_path / "state", [Record("ok", "a", status=200, data={"x": 1},
+                                                      paid=1, tries=1)])
+    before = (state / "state.db").read_bytes()
+    for name in ("state.db", "state.db-wal", "intents.log", "lock"):
+        r = cli("export", "--state", str(state), "-o", str(state / name))
+        assert r.returncode == 2 and "file of the state directory" in r.stderr, r.stderr
+    assert (state / "state.db").read_bytes() == before
+    r = cli("export", "--state", str(state), "-o", str(state / "results.jsonl"))
+    assert r.returncode == 0 and (state / "results.jsonl").read_text().startswith('{"id":"a"')
+    r = cli("export", "--state", str(state), "-o", "-", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith('{"id":"a"') and not (tmp_path / "-").exists()
