@@ -603,10 +603,11 @@ def _spool(source: BinaryIO, shown: str) -> tuple[str, int]:
     try:
         with os.fdopen(os.dup(fd), "wb") as f:  # (the lock stays with ``fd``)
             while chunk := source.read(1 << 20):
+                cut = utf8.getstate()[0]  # (a character's start, cut by the last read)
                 try:
                     utf8.decode(chunk)
-                except UnicodeDecodeError as e:
-                    at = lines + chunk.count(b"\n", 0, e.start) + 1
+                except UnicodeDecodeError as e:  # (its start counts from the held bytes)
+                    at = lines + (cut + chunk).count(b"\n", 0, e.start) + 1
                     raise InputError("not valid UTF-8", path=shown, line=at) from None
                 end = chunk.rfind(b"\n")
                 tail = len(chunk) - end - 1 if end >= 0 else tail + len(chunk)

@@ -443,7 +443,9 @@ class Run:
                     yield todo, -1, None
             self.tally.skipped += max(0, unique - taken)
         block = 0
-        async for chunk, at in source.marked_chunks(offset, line):
+        # (up to the size the file had when the run began: lines added since are unchecked,
+        # a bad one among them stopped the run with exit 2 after it had paid for calls)
+        async for chunk, at in source.marked_chunks(offset, line, ident["size"]):
             todo, fresh = await self._admit(chunk, store, writer) if chunk else ([], 0)
             unique += fresh
             mark = None

@@ -9,6 +9,7 @@ streams it, so memory does not grow with the file. The crawler takes IDs a chunk
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import sqlite3
@@ -98,6 +99,7 @@ def _raw_blocks(path: str) -> Iterator[bytes]:
         raise InputError(f"cannot read IDs file: {e.strerror}", path=path) from None
     with f:
         rest = b""
+        line = 0  # lines yielded
         while True:
             try:
                 chunk = f.read(CHUNK)
@@ -108,11 +110,36 @@ def _raw_blocks(path: str) -> Iterator[bytes]:
             block, rest = _cut(rest + chunk)
             if block is not None:
                 yield block
-            if len(rest) > 4 * MAX_ID_LENGTH + 8:  # a monster line: fail fast, do not buffer it
-                yield rest
-                rest = b""
+                line += block.count(b"\n") + 1
+            if len(rest) > LONGEST:  # a line longer than any ID's, unless it is mostly blanks
+                rest = _unbuffered(rest, path=path, line=line + 1)
         if rest:
             yield rest
+
+
+LONGEST = 4 * MAX_ID_LENGTH + 8  # bytes of the longest ID (4 a character), a BOM and a CR
+
+
+def _unbuffered(rest: bytes, *, path: str, line: int) -> bytes:
+    """The start of line ``line`` read so far (``rest``, longer than ``LONGEST``), as little
+    of it as tells what it holds: ``InputError`` once its ID is longer than any can be (not
+    held in memory whole: a file with no newline), else the ID with the blanks around it cut
+    to what still says so (blanks before an ID are nothing; after it, as many as would make
+    the line too long if more of its ID came). A valid line may be long with its blanks, a
+    cut through a character is no invalid UTF-8, and the lines before keep their numbers."""
+    core = rest.lstrip(b" \t")
+    body = core.rstrip(b" \t")
+    if len(body) <= LONGEST:
+        return body + b" " * min(len(core) - len(body), MAX_ID_LENGTH + 1)
+    try:  # (a character cut at the end of what was read is no error yet)
+        codecs.getincrementaldecoder("utf-8")().decode(body)
+    except UnicodeDecodeError:
+        parse_line(body, path=path, line=line)  # (names the byte)
+        raise
+    # (at 4 bytes a character at most, more than MAX_ID_LENGTH characters: parse_line's first
+    # complaint too, before any control character)
+    raise InputError(f"ID is more than {MAX_ID_LENGTH} characters long; the limit is "
+                     f"{MAX_ID_LENGTH}", path=path, line=line)
 
 
 def prescan_file(path: str) -> int:
@@ -174,12 +201,14 @@ class IdsFile:
     def chunks(self) -> AsyncIterator[list[str]]:
         return _drop_marks(_file_chunks(self.path))
 
-    def marked_chunks(self, start: int = 0,
-                      line: int = 0) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
-        """``(chunk, mark)`` from byte ``start`` (the start of line ``line`` + 1) on: ``mark``
-        is ``(offset, line)`` just after the chunk when the chunk ends a block read from the
-        file (about 1 MB), else ``None``: where a later run may resume reading."""
-        return _file_chunks(self.path, start, line)
+    def marked_chunks(self, start: int = 0, line: int = 0, end: int | None = None
+                      ) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
+        """``(chunk, mark)`` from byte ``start`` (the start of line ``line`` + 1) on, up to
+        byte ``end`` (the file's size when the run began: lines added meanwhile, unchecked,
+        are the next run's, and a line cut there is left whole to it): ``mark`` is ``(offset,
+        line)`` just after the chunk when the chunk ends a block read from the file (about
+        1 MB), else ``None``: where a later run may resume reading."""
+        return _file_chunks(self.path, start, line, end)
 
 
 def file_ids(path: str) -> IdsFile:
@@ -193,8 +222,8 @@ async def _drop_marks(chunks: AsyncIterator[tuple[list[str], Any]]) -> AsyncIter
             yield chunk
 
 
-async def _file_chunks(path: str, start: int = 0,
-                       line: int = 0) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
+async def _file_chunks(path: str, start: int = 0, line: int = 0, end: int | None = None
+                       ) -> AsyncIterator[tuple[list[str], tuple[int, int] | None]]:
     try:
         opened = aiofiles.open(path, "rb")
         f = await opened.__aenter__()
@@ -206,7 +235,7 @@ async def _file_chunks(path: str, start: int = 0,
         rest = b""
         offset = start  # of the first byte not yet split into lines
         while True:
-            chunk = await f.read(CHUNK)
+            chunk = await f.read(CHUNK if end is None else min(CHUNK, end - offset))
             if not chunk:
                 break
             block, rest = _cut(rest + chunk)
@@ -219,8 +248,8 @@ async def _file_chunks(path: str, start: int = 0,
             parts = [items[i:i + CHUNK_IDS] for i in range(0, len(items), CHUNK_IDS)] or [[]]
             for i, part in enumerate(parts):
                 yield part, mark if i == len(parts) - 1 else None
-        if rest:
-            item = parse_line(rest, path=path, line=line + 1)
+        if rest and (end is None or offset < end or not await f.read(1)):  # (else: a line
+            item = parse_line(rest, path=path, line=line + 1)  # cut by ``end``, left whole)
             yield ([item] if item is not None else []), None
     finally:
         await opened.__aexit__(None, None, None)

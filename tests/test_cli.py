@@ -1600,3 +1600,22 @@ def test_a_signal_in_a_halt_s_grace_period_does_not_cut_its_alerts(
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 3
     assert told.read_text().strip() == "fatal", (tmp_path / "graced.err").read_text()
+
+
+def test_lines_added_to_the_ids_file_during_a_run_are_the_next_run_s(
+        tmp_path: Path, mock_process: Any) -> None:
+    """A bad line appended while the run went on (after the file was checked) stopped it with
+    exit 2, no summary, after it had paid for calls (exit 2 says nothing was fetched). A run
+    reads the file as it was when it began; what is added meanwhile, the next run checks."""
+    mock = mock_process("--faults", "none", "--api-key", KEY)
+    ids = write_ids(tmp_path / "ids.txt", [f"a-{i:03d}" for i in range(300)])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids,
+                       limits={"concurrency": 4, "rate": 150, "burst": 1})
+    with reaped(popen_cli(tmp_path, "run", "run", "-c", str(cfg), "--no-progress")) as proc:
+        wait_until(lambda: mock.log_path.exists() and mock.log_path.stat().st_size > 0, proc)
+        with ids.open("ab") as f:
+            f.write(b"b-new\nbad\x00line\nb-last")  # (and a last line cut: still being written)
+        assert proc.wait(120) == 0, (tmp_path / "run.err").read_text()
+    assert collections.Counter(outcomes_of(tmp_path / "state").values()) == {"ok": 300}
+    r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
+    assert r.returncode == 2 and "ids.txt:302: ID contains the control character" in r.stderr

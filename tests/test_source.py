@@ -188,6 +188,57 @@ def test_huge_line_without_newline_fails_on_its_line(tmp_path: Path) -> None:
     assert e.value.line == 2
 
 
+def _to_the_first_read_s_end(room: int) -> tuple[bytes, int]:
+    """Lines that fill the first 1 MiB read of a file but for ``room`` bytes, and their count."""
+    from asyncrawl.source import CHUNK
+
+    head = b"".join(b"id%07d\n" % i for i in range((CHUNK - room - 200) // 10))
+    head += b"z" * (CHUNK - room - len(head) - 1) + b"\n"
+    return head, head.count(b"\n")
+
+
+async def test_a_long_line_of_blanks_around_an_id_across_a_read_is_valid(tmp_path: Path) -> None:
+    """A line may be longer than any ID with the blanks around it: cut by the end of a read
+    past 4 KiB, its first part was taken for a whole line (a character cut there: "not valid
+    UTF-8"), and each later line was named one too far on."""
+    head, n = _to_the_first_read_s_end(4106)
+    emoji = "\U0001f600" * MAX_ID_LENGTH
+    path = ids_file(tmp_path, head + b" " * 500 + emoji.encode() + b" " * 7000 + b"\ntail\n")
+    count, got = await both(path)
+    assert count == n + 2 and got[-2:] == [emoji, "tail"]
+    path = ids_file(tmp_path, head + b" " * 6000 + b"abc\nok1\nbad\x00x\n")
+    with pytest.raises(InputError, match="control character") as e:
+        prescan_file(path)
+    assert e.value.line == n + 3
+
+
+@pytest.mark.parametrize("tail", [b"q" * 9000, b"abc" + b" " * 6000 + b"def",
+                                  b"\xf0\x9f\x98\x80" * 2000])
+def test_an_id_too_long_across_a_read_is_named_on_its_line(tmp_path: Path, tail: bytes) -> None:
+    head, n = _to_the_first_read_s_end(4106)
+    path = ids_file(tmp_path, head + tail + b"\nok\n")
+    with pytest.raises(InputError, match="characters long") as e:
+        prescan_file(path)
+    assert e.value.line == n + 1
+
+
+def test_stdin_names_the_line_of_a_bad_byte_after_a_character_cut_by_a_read(
+        tmp_path: Path) -> None:
+    """``--ids -`` counted the lines up to a bad byte from the start of the bytes the decoder
+    held over from the read before: a line too far."""
+    import subprocess
+    import sys
+
+    head, n = _to_the_first_read_s_end(2)
+    data = head + "\u20ac".encode() + b"\n\xff\n"  # (the euro sign: cut by the first read)
+    r = subprocess.run([sys.executable, "-m", "asyncrawl", "run", "--url",
+                        "http://127.0.0.1:9/{id}", "--ids", "-", "--state",
+                        str(tmp_path / "state"), "--dry-run"], input=data, capture_output=True,
+                       cwd=tmp_path, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and f"<stdin>:{n + 2}: not valid UTF-8" in err, err
+
+
 @pytest.mark.parametrize("item", [b"a\x00b", b"\x00", b"a\x07b", b"a\x1bb", b"a\rb", b"a\xc2\x85b"])
 async def test_control_character_names_line(tmp_path: Path, item: bytes) -> None:
     path = ids_file(tmp_path, b"ok\n" + item + b"\n")
