@@ -551,10 +551,10 @@ class Fetcher:
         return target, headers
 
     def _certificate(self, e: BaseException, *, first: bool) -> Attempt:
+        fix = _CERTIFICATE_FIX.get(getattr(e, "verify_code", None), _PRIVATE_CA)
         return Attempt(Outcome.RETRY, None, error=self.config.redact(
-            f"{CERTIFICATE}: {_describe(e)}; if the "
-            "server uses a private CA, add it with [request] ca_bundle")[:500],
-            kind=ErrorKind.TLS, sent_nothing=first)
+            f"{CERTIFICATE}: {_describe(e)}; {fix}")[:500], kind=ErrorKind.TLS,
+            sent_nothing=first)
 
     def _may_have_left(self, e: BaseException) -> bool:
         """Whether an attempt that failed with ``e`` and no answer may have reached the server
@@ -874,6 +874,16 @@ def tls_context(config: Config) -> ssl.SSLContext | bool:
 
 
 CERTIFICATE = "TLS certificate verification failed"
+_PRIVATE_CA = "if the server uses a private CA, add it with [request] ca_bundle"
+# the fix of a certificate that verifies but for the reason its OpenSSL code says (else a CA
+# this machine does not trust: _PRIVATE_CA)
+_CLOCK = "check the server's certificate, and this machine's clock"
+_CERTIFICATE_FIX = {
+    9: _CLOCK,  # X509_V_ERR_CERT_NOT_YET_VALID
+    10: _CLOCK,  # X509_V_ERR_CERT_HAS_EXPIRED
+    62: "the certificate is for another host: check the host of [request] url",  # a name's
+    64: "the certificate is for another host: check the host of [request] url",  # an address's
+}
 
 # Errors that waiting cannot cure when they come before any answer: the fix for each.
 INCURABLE = {
@@ -883,8 +893,7 @@ INCURABLE = {
     ErrorKind.PROXY: "check [request] proxy (or --proxy), or the HTTP_PROXY / HTTPS_PROXY / "
                      "NO_PROXY environment variables, which asyncrawl follows like curl",
     ErrorKind.TLS: "check the scheme and host name of [request] url (https:// to a server that "
-                   "speaks plain HTTP fails so); if the server uses a private CA, add it with "
-                   "[request] ca_bundle",
+                   "speaks plain HTTP fails so), and the fix the error names",
 }
 # Skip-class answers that, given for every request from the first on, say the job cannot work
 # (not that those IDs are missing): what to fix. ``run`` halts on them (``REFUSED_AFTER``).

@@ -809,6 +809,18 @@ async def test_tls_is_verified_by_default(tls_a: Hostile, tls_session: aiohttp.C
 
 
 @pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
+async def test_a_certificate_for_another_host_says_so_not_to_add_a_ca(
+        pki: Pki, tls_session: aiohttp.ClientSession) -> None:
+    """Every certificate failure said to add the server's private CA (ca_bundle), a CA that
+    is already trusted here: the certificate is for 127.0.0.1, the server at 127.0.0.2."""
+    with Hostile(host="127.0.0.2", tls=pki.server_a) as other:
+        cfg = Config(url=other.item_url, ca_bundle=str(pki.ca_a))
+        a = await Fetcher(tls_session, cfg).attempt("ok")
+    assert a.outcome is Outcome.RETRY and a.error is not None, a
+    assert "for another host" in a.error and "ca_bundle" not in a.error, a.error
+
+
+@pytest.mark.usefixtures("both_clients")  # aiohttp's client and http1's
 async def test_ca_bundle_is_trusted(tls_a: Hostile, pki: Pki, tls_session: aiohttp.ClientSession) -> None:
     a = await Fetcher(tls_session, Config(url=tls_a.item_url, ca_bundle=str(pki.ca_a))).attempt("ok")
     assert a.outcome is Outcome.OK, a
