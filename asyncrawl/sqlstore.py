@@ -367,11 +367,16 @@ class SqliteStore:
                     raise
                 db = _read_only(d / DB, immutable=True)
             version = db.execute("PRAGMA user_version").fetchone()[0]
+            empty = version == 0 and not db.execute("SELECT 1 FROM sqlite_master").fetchone()
         except (sqlite3.Error, OSError) as e:
             if isinstance(e, OSError):
                 raise StorageError(f"cannot read the state directory: {e.strerror}",
                                    path=d) from None
             raise _storage_error(e, d / DB, "read the state database") from None
+        if empty:  # (a run that died as it made the database)
+            db.close()
+            raise ConfigError(f"{d} holds no asyncrawl state yet: its first run stopped before "
+                              "it wrote any (run it again)")
         _check_version(version, d / DB)
         return cls(d, db)
 
@@ -1265,6 +1270,10 @@ def _read_only(path: Path, *, immutable: bool = False) -> sqlite3.Connection:
 
 
 def _check_version(version: int, path: Path) -> None:
+    if version == 0:  # (asyncrawl sets it with its first tables: an SQLite file of another's)
+        raise StorageError("is not an asyncrawl state database (another program's SQLite "
+                           "file?): give the state directory of an asyncrawl job, or a new "
+                           "one", path=path)
     if version not in (SCHEMA_VERSION, *MIGRATIONS):
         raise StorageError(
             f"the state database has schema version {version}, written by an incompatible "

@@ -657,6 +657,27 @@ async def test_a_run_dedups_its_ids_in_the_database_and_counts_them(tmp_path: Pa
         await store.close()
 
 
+async def test_another_program_s_sqlite_file_or_an_empty_one_is_named_as_such(
+        tmp_path: Path) -> None:
+    """Both read as "schema version 0, written by an incompatible asyncrawl version"."""
+    foreign, empty = tmp_path / "foreign", tmp_path / "empty"
+    foreign.mkdir()
+    empty.mkdir()
+    db = sqlite3.connect(foreign / DB)
+    db.execute("CREATE TABLE notes (x)")
+    db.commit()
+    db.close()
+    (empty / DB).write_bytes(b"")
+    for attempt in (lambda: open_store(foreign), lambda: _read_all(foreign)):
+        with pytest.raises(StorageError, match="is not an asyncrawl state database"):
+            await attempt()
+    with pytest.raises(ConfigError, match="holds no asyncrawl state yet"):
+        read_store(empty)
+    store = await open_store(empty)  # (a run makes it)
+    await store.close()
+    assert db_rows(empty, "PRAGMA user_version") == [(5,)]
+
+
 @pytest.mark.parametrize("damage", ["garbage", "zeroed page"])
 async def test_a_damaged_database_is_a_clear_storage_error_and_left_alone(
         tmp_path: Path, damage: str) -> None:
