@@ -377,6 +377,11 @@ def _check(item: object, n: int) -> str:
     problem = _problem(item)
     if problem:
         raise InputError(problem, path="<ids>", line=n)
+    # (an IDs file strips it: the same ID read back from one, an export's, would be another)
+    if item[0].isspace() or item[-1].isspace():
+        raise InputError(f"ID {item!r:.40} starts or ends with whitespace (an IDs file "
+                         "strips it): strip it, or give the ID as the API spells it",
+                         path="<ids>", line=n)
     return item if type(item) is str else str.__str__(item)  # (a StrEnum's: the plain text)
 
 

@@ -284,7 +284,8 @@ async def test_iter_ids_sync_and_async() -> None:
     assert await collect(iter_ids(agen(items))) == items  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("bad", [5, None, b"bytes", "", "a\x00b", "x" * (MAX_ID_LENGTH + 1), ["a"]])
+@pytest.mark.parametrize("bad", [5, None, b"bytes", "", "a\x00b", "x" * (MAX_ID_LENGTH + 1), ["a"],
+                                 " a", "a ", "\u00a0a"])
 @pytest.mark.parametrize("make", [list, agen], ids=["sync", "async"])
 async def test_iter_ids_rejects(bad: object, make: object) -> None:
     got: list[str] = []
