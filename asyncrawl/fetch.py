@@ -551,7 +551,8 @@ class Fetcher:
         return target, headers
 
     def _certificate(self, e: BaseException, *, first: bool) -> Attempt:
-        fix = _CERTIFICATE_FIX.get(getattr(e, "verify_code", None), _PRIVATE_CA)
+        code: int | None = getattr(e, "verify_code", None)
+        fix = _CERTIFICATE_FIX.get(code, _PRIVATE_CA) if code is not None else _PRIVATE_CA
         return Attempt(Outcome.RETRY, None, error=self.config.redact(
             f"{CERTIFICATE}: {_describe(e)}; {fix}")[:500], kind=ErrorKind.TLS,
             sent_nothing=first)
