@@ -4,6 +4,7 @@
 
     AsyncrawlError
     ├── ConfigError        bad config file, key, value or flag       (CLI exit 2)
+    │   └── SessionClosed  the aiohttp session given to a Crawler was closed under it
     ├── InputError         bad IDs file: unreadable, bad line        (CLI exit 2)
     ├── LockedError        another run holds the state directory     (CLI exit 2)
     ├── JobMismatch        the state directory belongs to another job (CLI exit 2)

@@ -3,14 +3,22 @@
 This is the only module that sends requests, and ``Fetcher._attempt`` is the one place where
 aiohttp's exceptions become outcomes (an ``Outcome`` and an ``ErrorKind``): it never raises for a
 network or HTTP problem. Every answer
-falls in exactly one ``Outcome`` class (SPEC §2)::
+falls in exactly one ``Outcome`` class (SPEC §2; the status sets are the defaults of
+``[retry] retryable / skip / fatal``)::
 
     OK     2xx whose body parses as JSON              -> settled
     RETRY  408/429/5xx, connection errors, timeouts,  -> backoff (honouring Retry-After)
-           a 2xx body that does not parse
+           a 2xx body that does not parse, is cut        (a paid 2xx: at most paid_retries
+           short or is over max_body_bytes               more times, ``Attempt.unusable``)
     SKIP   400/404/410, every other 4xx, unfollowed   -> recorded failed, permanent
-           redirects, bodies over max_body_bytes
-    FATAL  401/402                                    -> the whole job halts
+           redirects
+    FATAL  401/402/407 (407 also as a proxy's answer  -> the whole job halts
+           to an https:// tunnel)
+
+Where: ``RequestBuilder`` builds a request (``Fetcher.hooked`` for a ``request_for`` hook);
+``_attempt`` sends it and maps every exception (its ``except`` branches, ``_broken``,
+``_redirect``); ``_classify`` and ``status_class`` classify an answer. What follows an
+outcome (retry, settle, halt) is ``worker.decide``'s.
 
 Hostile servers are expected: the body is read up to ``max_body_bytes`` (after decompression,
 so a gzip bomb stops at the same limit); a server that never answers or stalls mid-body meets
@@ -666,7 +674,7 @@ class Fetcher:
             if not body_ok:
                 return Attempt(Outcome.RETRY, status, error=_unparsable(status, body, cfg),
                                billable=billable, kind=ErrorKind.BODY)
-            # the journal splices a JSON body in as received; text and bytes go in as strings
+            # the store splices a JSON body in as received; text and bytes go in as strings
             return Attempt(Outcome.OK, status, data=data, billable=billable,
                            body=body if cfg.response_format == "json" and not head else None)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"

@@ -20,12 +20,12 @@ rate whatever the wait between. And what holds requests back is asked again then
 a pause or an open breaker that came meanwhile holds back the requests that had their tickets
 (bench/README.md, stop 42).
 
-and separately ``Budget`` (billable calls this run). Retries are ordinary traffic under the same
-rate: a retry waits for its own backoff and for nothing else while the server is healthy; what
-protects a sick server are the signs that it is sick (429s slow the rate, a run of failures
-across many IDs opens the breaker), not a cap on retries. The policy classes are plain objects
-driven by an explicit ``now``, so their logic is tested on a fake clock; ``Governor`` wires them
-to the event loop.
+``Budget`` (billable calls this run: ``--max-requests``) is kept apart. Retries are ordinary
+traffic under the same rate: a retry waits for its own backoff and for nothing else while the
+server is healthy; what protects a sick server are the signs that it is sick (429s slow the
+rate, a run of failures across many IDs opens the breaker), not a cap on retries. The policy
+classes are plain objects driven by an explicit ``now``, so their logic is tested on a fake
+clock; ``Governor`` wires them to the event loop.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ class Item:
     id: str
     tries: int = 0
     paid: int = 0
-    unusable: int = 0  # paid (2xx) answers whose body did not parse, in every pass so far
+    unusable: int = 0  # paid (2xx) answers with no usable body (did not parse, cut short, too
+    #                    large: ``Attempt.unusable``), in every pass and run so far
     suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
     sent: bool = False  # a request for it left in this pass (even if the try was not charged)
     covered: bool = False  # its intent was durable once in this pass (the IDs file's frontier)

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from .config import _userinfo, endpoint_of, is_url
+from .config import _userinfo, endpoint_of
 from .errors import (
     ConfigError,
     StorageError,
@@ -327,6 +327,7 @@ class PgStore:
     ``status`` / ``export``."""
 
     shared = True  # many processes work on the job: the run claims its IDs from the store
+    process = None  # (no writing process: the run's writer commits from its thread)
 
     def __init__(self, url: str, job: str, conns: dict[str, Any], lease: float = LEASE,
                  cooldown: float = 0.0) -> None:
@@ -1344,4 +1345,4 @@ def _distinct(rows: list[Any], key: Any) -> Iterator[list[Any]]:
         yield group
 
 
-__all__ = ["PgStore", "is_url", "safe_url"]
+__all__ = ["PgStore", "safe_url"]

@@ -1,8 +1,9 @@
 """Reading a job's state without taking its lock: ``status`` figures and ``export`` streams.
 
 Both read through the store's interface (``store.read_store``): ``status`` from its
-``snapshot()``, ``export`` from its ``records()`` and ``in_doubt()`` streams, so a run may be
-going meanwhile. Exports stream: memory never holds the payloads.
+``snapshot()``, ``export`` from its ``records()``, ``payloads()``, ``ids()``, ``in_doubt()``
+and ``unanswered()`` streams, so a run may be going meanwhile. Exports stream: memory never
+holds the payloads (Parquet spools them to a file, ``parquet.py``).
 """
 
 from __future__ import annotations
@@ -22,18 +23,14 @@ import orjson
 
 from .config import Config, endpoint_of, is_url
 from .errors import ConfigError, StorageError, temp_beside
-from .journal import JOURNAL
 from .jsontext import json_text, one_line, writable
-from .live import LIVE, live_age, read_live
-from .lockfile import LOCK
+from .live import live_age, read_live
 from .progress import halt_text
 from .records import EXPORT_FORMATS, EXPORT_OUTCOMES, Record
-from .sqlproc import INTENTS
-from .sqlstore import DB
-from .store import read_store
+from .store import STATE_FILES, read_store
 from .types import Halt
 
-__all__ = ["EXPORT_FORMATS", "EXPORT_OUTCOMES", "endpoint_of", "export", "status", "status_text"]
+__all__ = ["export", "status", "status_text"]
 log = logging.getLogger("asyncrawl")
 
 STALE_LIVE = 5.0  # seconds after which a running job's live figures are said to be old
@@ -231,17 +228,11 @@ def export(config: Config, *, outcome: str = "ok", fmt: str = "jsonl",
     return _emit(lambda f: _write(records, outcome, fmt, fields, f), out, path)
 
 
-# the files of a state directory, which an export must not replace: the database (its WAL
-# and index), the intent log, the lock, the live figures, an earlier release's journal
-_STATE_FILES = frozenset({DB, f"{DB}-wal", f"{DB}-shm", INTENTS, LOCK, LIVE, JOURNAL,
-                          f"{JOURNAL}.imported"})
-
-
 def _not_the_state(state_dir: Path, path: str) -> None:
     """``ConfigError`` where ``-o`` names a file of the state itself (``-o state/state.db``
     replaced the database with the export: the job, and a running run's writes, lost)."""
     target = Path(os.path.realpath(path))
-    if target.name in _STATE_FILES and target.parent == Path(os.path.realpath(state_dir)):
+    if target.name in STATE_FILES and target.parent == Path(os.path.realpath(state_dir)):
         raise ConfigError(f"{path} is a file of the state directory {state_dir} (the export "
                           "would replace it): write the export elsewhere", key="--output")
 

@@ -211,7 +211,7 @@ class Run:
         if isinstance(source, IdsFile) and shared is None:
             ident = await asyncio.to_thread(file_identity, source.path)
             ident["lines"] = source.lines if source.lines is not None else self.meter.total
-        proc = getattr(store, "process", None)  # (SQLite's writing process)
+        proc = store.process  # (SQLite's writing process)
         writer = (Writer(store, on_commit=self._on_commit, on_error=self._on_storage_error)
                   if proc is None else
                   ProcessWriter(proc, on_commit=self._on_commit, on_error=self._on_storage_error))

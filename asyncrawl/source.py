@@ -4,7 +4,9 @@ An IDs file is UTF-8 text, one ID per line. A BOM, CRLF line ends, surrounding w
 blank lines are ignored. A line that is not UTF-8, holds a control character (e.g. NUL) or is
 longer than ``MAX_ID_LENGTH`` is an ``InputError`` naming the file and line. ``prescan_file``
 checks the whole file (and counts it, for the ETA) before any request is sent; ``file_ids`` then
-streams it, so memory does not grow with the file. The crawler takes IDs a chunk (list) at a time.
+streams it, so memory does not grow with the file, up to the size it had when the run began.
+The crawler takes IDs a chunk (list) at a time. IDs from an iterable are taken as given, but
+checked alike; one with whitespace around it is an ``InputError`` too (a file strips it).
 """
 
 from __future__ import annotations

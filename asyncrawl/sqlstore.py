@@ -70,7 +70,8 @@ import orjson
 from .config import endpoint_of
 from .errors import ConfigError, StorageError
 from .journal import JOURNAL, scan
-from .lockfile import fsync_dir, lock_holder, lock_state_dir
+from .live import LIVE
+from .lockfile import LOCK, fsync_dir, lock_holder, lock_state_dir
 from .records import (
     COUNTED,
     EXPORT_STATES,
@@ -94,6 +95,10 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 DB = "state.db"
+# the files of a state directory (what an export must not replace): the database, its WAL and
+# index, the intent log, the lock, the live figures, an earlier release's journal
+STATE_FILES = frozenset({DB, f"{DB}-wal", f"{DB}-shm", INTENTS, LOCK, LIVE, JOURNAL,
+                         f"{JOURNAL}.imported"})
 SCHEMA_VERSION = 5  # 2: key_ledger; 3: payloads; 4: payloads in pieces; 5: answered, unusable
 ROW_COST = 32  # bytes of the file a payload's extra row must save (``_cut``)
 
@@ -1301,4 +1306,4 @@ def _ensure_schema(db: sqlite3.Connection, path: Path) -> None:
         log.info("upgraded the state database %s: items.unusable added", path)
 
 
-__all__ = ["DB", "SqliteStore"]
+__all__ = ["DB", "STATE_FILES", "SqliteStore"]

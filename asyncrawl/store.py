@@ -11,7 +11,9 @@ and one transaction per group commit; nothing in the interface loads every ID in
 
 =========================  ==========================================================================
 ``open_store(location)``   open for a run: create it if needed, take the job's lock (else
-                           ``LockedError``), repair what a crash left (a torn tail), replay
+                           ``LockedError``), repair what a crash left (apply what the intent
+                           log holds beyond what was applied, close the crashed run's open
+                           intents: its requests in doubt)
 ``read_store(location)``   open read-only without the lock, for ``status`` / ``export`` /
                            ``--dry-run`` while a run may be going (``ConfigError`` if there is none)
 ``job``                    the job's identity (method, url, params) as its last run recorded it
@@ -25,12 +27,14 @@ and one transaction per group commit; nothing in the interface loads every ID in
 ``admit(ids)``             a run's dedup: of a chunk of the run's IDs, those it has not seen yet
                            (in order, with their state and their count of unusable paid
                            answers) and how many were duplicates
-``run_counts()``           the IDs ``admit`` took, by their state now (the run's summary)
+``run_counts(whole=)``     the IDs ``admit`` took, by their state now (the run's summary;
+                           ``whole``: a shared job's, all of its IDs)
 ``resume_point(source)``   where a run of an unchanged IDs file may read on (``None``: from the
                            start), ``unsettled()`` the IDs held unsettled before that point,
                            ``source_lines(source)`` the file's ID count as checked before
 ``commit(records)``        append a batch and make it durable (one fsync or transaction), then let
-                           it count; blocking, called only from the writer's thread. Returns
+                           it count; blocking, called only by the run's writer (``Writer``'s
+                           thread; ``ProcessWriter`` hands batches to ``process``). Returns
                            the IDs whose ``sent`` intent it refused (another process of a
                            shared job holds them now; never on one machine). Raises
                            ``StorageError``; after one, the store takes no more writes.
@@ -60,12 +64,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 from .config import is_url
 from .errors import ConfigError
 from .records import Bought, Counts, Record, Snapshot
-from .sqlstore import DB, SqliteStore
+from .sqlstore import DB, STATE_FILES, SqliteStore
+
+if TYPE_CHECKING:
+    from .sqlproc import WriterProcess
 
 
 class Store(Protocol):
@@ -73,6 +80,10 @@ class Store(Protocol):
 
     location: str
     job: dict[str, Any] | None
+    @property
+    def process(self) -> WriterProcess | None:
+        """The process that writes for the run (SQLite's, ``sqlproc``), which the run's
+        writer feeds from the event loop; ``None``: the writer's thread commits (PostgreSQL)."""
 
     async def claim_identity(self, identity: dict[str, Any]) -> dict[str, Any] | None: ...
 
@@ -153,3 +164,6 @@ def not_a_dir(d: Path) -> None:
         hint = f"; the state directory is {d.parent}" if d.name == DB else ""
         raise ConfigError(f"the state directory (--state, [state] dir) is a file here, not a "
                           f"directory{hint}", path=d)
+
+
+__all__ = ["STATE_FILES", "Store", "not_a_dir", "open_store", "read_store"]

@@ -34,7 +34,10 @@ class ErrorKind(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Halt:
     """Why a run stopped before finishing. ``reason``: fatal, budget, storage, unreachable (an
-    error that waiting cannot cure, from the first requests on), signal, cancelled."""
+    error that waiting cannot cure, from the first requests on), signal (a signal, or
+    ``Crawler.stop()``), cancelled (the run's task), error (a hook or the ID source raised;
+    exit 130 as cancelled); or a ``Crawler.stop(reason)``'s own. (key_retired
+    is the alert's reason when one of several API keys is refused: the run goes on.)"""
 
     reason: str
     status: int | None = None

@@ -237,7 +237,7 @@ class Ledger:
 
 
 class Sink(Protocol):
-    """Where records go: the writer (``writer.Writer``)."""
+    """Where records go: the run's writer (``writer.Writer``, or ``writer.ProcessWriter``)."""
 
     def put(self, record: Record) -> None: ...
 

@@ -23,10 +23,11 @@ import pexpect
 import pytest
 
 from asyncrawl import Config, Crawler, Halt, Summary
+from asyncrawl.config import endpoint_of
 from asyncrawl.crawler import Result
 from asyncrawl.progress import ErrorTally, LiveView, answer_kind, result_kind
 from asyncrawl.records import Record
-from asyncrawl.report import endpoint_of, export
+from asyncrawl.report import export
 from asyncrawl.store import open_store
 from asyncrawl.testing import LogEntry, MockAPI, demo_faults, payload_for, read_log
 
