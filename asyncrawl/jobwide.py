@@ -34,8 +34,8 @@ from .errors import StorageError
 from .governor import Governor
 from .pgstore import BREAKER_HOLD, HEARTBEAT, Claimed, PgStore
 from .source import IdsFile
+from .stop import Stop
 from .types import Halt
-from .worker import Stop
 
 log = logging.getLogger("asyncrawl")
 

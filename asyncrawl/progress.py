@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from .types import Halt, Progress, Result, Summary
+from .types import Halt, Progress, Result, Summary, ids_left
 
 
 def _duration(seconds: float | None) -> str:
@@ -337,15 +337,6 @@ def halt_text(h: Halt) -> tuple[str, str]:
         return (f"the API cannot be reached: {h.message}",
                 "fix the config, then rerun the same command")
     return (h.message or h.reason, "rerun to resume; nothing that succeeded is fetched again")
-
-
-def ids_left(s: Summary, total: int | None) -> tuple[int, int]:
-    """(IDs still to fetch, of which lines of the list not read yet). Lines not read yet are
-    counted as IDs to fetch: a later line may repeat an ID or name one settled earlier, so with
-    unread lines the figure is an upper bound (``run --dry-run`` counts exactly)."""
-    seen = s.ok + s.failed + s.unavailable + s.pending
-    unread = max(0, total - s.duplicates - seen) if total is not None else 0
-    return s.failed + s.pending + unread, unread
 
 
 def summary_text(s: Summary, *, total: int | None = None, price: float | None = None,

@@ -44,12 +44,12 @@ from .idqueue import IdQueue, Item, Parking
 from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
-from .progress import ids_left
 from .records import Commit, Counts, Record, settled
 from .source import CHUNK_IDS, IdsFile, file_identity
+from .stop import Stop
 from .store import Store
-from .types import ErrorKind, Halt, Progress, Result, Summary
-from .worker import Ledger, Stop, Worker, billed_record, budget_halt, outcome_record
+from .types import ErrorKind, Halt, Progress, Result, Summary, ids_left
+from .worker import Ledger, Worker, billed_record, budget_halt, outcome_record
 from .writer import AnyWriter, ProcessWriter, Writer
 
 log = logging.getLogger("asyncrawl")

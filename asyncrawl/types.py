@@ -1,4 +1,5 @@
-"""The values a run hands out: ``Halt``, ``Result``, ``Progress``, ``Summary``, and ``ErrorKind``.
+"""The values a run hands out: ``Halt``, ``Result``, ``Progress``, ``Summary`` (and ``ids_left``,
+what one leaves to fetch), and ``ErrorKind``.
 
 Plain frozen data at the bottom of the package: this module imports nothing of asyncrawl, so
 every other module (the read-only ``status`` and ``export`` included) can use these types
@@ -138,3 +139,12 @@ class Summary:
         if self.failed or self.pending:
             return 6
         return 0
+
+
+def ids_left(s: Summary, total: int | None) -> tuple[int, int]:
+    """(IDs still to fetch, of which lines of the list not read yet). Lines not read yet are
+    counted as IDs to fetch: a later line may repeat an ID or name one settled earlier, so with
+    unread lines the figure is an upper bound (``run --dry-run`` counts exactly)."""
+    seen = s.ok + s.failed + s.unavailable + s.pending
+    unread = max(0, total - s.duplicates - seen) if total is not None else 0
+    return s.failed + s.pending + unread, unread

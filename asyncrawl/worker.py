@@ -42,6 +42,7 @@ from .governor import Budget, Governor
 from .idqueue import IdQueue, Item, Parking
 from .records import Commit, Record
 from .retry import retry_delay
+from .stop import Stop
 from .types import ErrorKind, Halt
 
 log = logging.getLogger("asyncrawl")
@@ -112,40 +113,6 @@ def decide(item: Item, attempt: Attempt, config: Config, pass_no: int, *,
 def budget_halt(budget: Budget) -> Halt:
     """The halt of a job whose request budget (``max_requests`` / ``max_spend``) is spent."""
     return Halt("budget", None, f"request budget of {budget.limit} billable calls reached")
-
-
-OVERRIDES = {"storage": 2, "fatal": 1}  # halts that take over from a lesser earlier one
-
-
-class Stop:
-    """The job's stop switch: set by a fatal answer, the budget, a storage error, a signal, a
-    cancellation or an error; no request starts after it. The first reason wins, except that
-    a storage error wins over any earlier reason (what came after it is not durable, which is
-    what the operator must hear first: exit 5) and a fatal answer over any but a storage error
-    or an earlier fatal one (a 402 met by a request in its grace period, after a signal or
-    a failing hook stopped the run, still halts with exit 3 and sends the alert: the key or
-    the balance needs the operator before a rerun can work)."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.hurry = asyncio.Event()  # a second stop: cut the grace period short
-        self.halt: Halt | None = None
-
-    def __repr__(self) -> str:
-        return f"<Stop halt={self.halt and self.halt.reason}>"
-
-    def is_set(self) -> bool:
-        return self.event.is_set()
-
-    def set(self, halt: Halt) -> None:
-        first = self.halt
-        if first is None:
-            self.halt = halt
-        elif OVERRIDES.get(halt.reason, 0) > OVERRIDES.get(first.reason, 0):
-            self.halt = Halt(halt.reason, halt.status, f"{halt.message} (the run was stopping: "
-                             f"{first.message})")
-            log.warning("%s", self.halt.message)
-        self.event.set()
 
 
 class Ledger:

@@ -349,7 +349,7 @@ def test_two_idle_processes_resuming_together_keep_to_the_job_s_rate(job: str) -
     + burst in any 1 s (rate 100, burst 100: 219-233 starts before, against 205)."""
     from asyncrawl.governor import Governor
     from asyncrawl.jobwide import Heartbeat
-    from asyncrawl.worker import Stop
+    from asyncrawl.stop import Stop
 
     rate, burst = 100.0, 100
 
@@ -747,7 +747,7 @@ def test_a_claim_that_meets_blocks_the_job_has_settled_answers_in_time(
     once until it reaches the new IDs."""
     from asyncrawl import pgstore
     from asyncrawl.jobwide import claimed
-    from asyncrawl.worker import Stop
+    from asyncrawl.stop import Stop
 
     monkeypatch.setattr(pgstore, "TAKE_IN_FOR", 0.0)  # a block a claim
 
@@ -1297,7 +1297,7 @@ def test_the_adaptive_rate_and_the_breaker_act_job_wide(job: str) -> None:
     from asyncrawl.jobwide import Heartbeat
     from asyncrawl.pgstore import BREAKER_HOLD, PgStore
     from asyncrawl.records import Record
-    from asyncrawl.worker import Stop
+    from asyncrawl.stop import Stop
 
     async def go() -> None:
         a, b = await PgStore.open(PG, job), await PgStore.open(PG, job)
