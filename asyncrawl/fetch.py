@@ -56,6 +56,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import http1
+from .alloc import fix_mmap_threshold
 from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
 from .errors import ConfigError, SessionClosed
 from .jsontext import parse_json
@@ -732,26 +733,10 @@ RESEND_WARNING = (
     "session with asyncrawl.new_session(config), or let the Crawler create its own")
 
 
-READ_PRIME = 384 * 1024  # bytes: above asyncio's 256 KiB read buffer, below glibc's caps (512 KiB on 32-bit)
-
-
 def keep_reads_off_mmap() -> None:
-    """Make sure the C allocator serves asyncio's socket reads from its heap, not by ``mmap``.
-
-    asyncio's selector transport reads with ``sock.recv(256 KiB)``: a 256 KiB buffer for every
-    read, shrunk to what arrived. While glibc's mmap threshold is at its initial 128 KiB, that
-    buffer is an ``mmap``, the shrink an ``mremap`` and the free a ``munmap`` (of a small block,
-    so the threshold never rises): three system calls and fresh pages for every response
-    (python/cpython#85451). Whether a process is in that regime depends on what it allocated
-    before; measured (``bench/throughput.py``): 20,000 ``mremap`` calls in a crawl of 20,000
-    IDs given as a list, 2 when they came from a file, ~18 us of CPU per request. Freeing one
-    mmapped block of ``READ_PRIME`` bytes raises glibc's dynamic threshold to that size (and
-    its trim threshold to twice that; mallopt(3)), after which the read buffers come from the
-    heap. Process-wide; a no-op where glibc is not the allocator, once done, or where the
-    application fixed the threshold itself (``M_MMAP_THRESHOLD``/``MALLOC_MMAP_THRESHOLD_``,
-    which switch the dynamic threshold off)."""
-    block = bytes(READ_PRIME)
-    del block
+    """asyncio's socket reads from the C allocator's heap, not by ``mmap``, and large bodies
+    by ``mmap`` again once freed (``alloc.fix_mmap_threshold``)."""
+    fix_mmap_threshold()
 
 
 # set by ``Connector`` once an attempt has its connection (the attempt's own context: the

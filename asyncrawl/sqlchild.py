@@ -9,10 +9,12 @@ import os
 import sys
 from pathlib import Path
 
+from .alloc import fix_mmap_threshold
 from .sqlstore import serve_writes
 
 
 def main(argv: list[str]) -> int:
+    fix_mmap_threshold()  # (a forked one has it from the run: its big payloads' blocks)
     return serve_writes(Path(argv[0]), int(argv[1]), int(argv[2]))
 
 

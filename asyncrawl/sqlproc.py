@@ -571,6 +571,9 @@ def _zygote(target: Callable[[Path, int, int], int], sock_fd: int,
             if fd > 2 and fd != sock_fd:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        from .alloc import fix_mmap_threshold  # (while it waits: its big payloads' blocks)
+
+        fix_mmap_threshold()
         with socket.socket(fileno=sock_fd) as sock:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
         if len(fds) != 3:  # (the socket's end: no run for it)

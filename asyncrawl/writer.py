@@ -30,6 +30,9 @@ log = logging.getLogger("asyncrawl")
 # ``concurrency`` plus this, however slow the store (SPEC §5), instead of growing with the time
 # a slow disk or a starved writing process falls behind (bench/README.md, stop 45).
 BACKLOG = 1024
+# ... or past this many bytes of payloads queued (1,024 answers of 8 MiB, max_body_bytes,
+# held 8 GiB in memory while a store fell behind)
+BACKLOG_BYTES = 64 << 20
 STALL_CHECK = 5.0  # seconds between two looks at whether the store answers (``_check_stall``)
 
 
@@ -48,6 +51,8 @@ class _Reporting:
         self.written = 0
         self.backlog = 0  # records queued, not yet reported (the event loop's thread counts)
         self.backlog_limit = BACKLOG
+        self.backlog_bytes = 0  # the bytes of their payloads (``raw``)
+        self.bytes_limit = BACKLOG_BYTES
         self._waiting: list[asyncio.Future[None]] = []  # ``caught_up`` callers
         self._bug: BaseException | None = None  # raised by on_commit: re-raised by ``run``
         self._commits_seen = 0  # (``_check_stall``: the commits at its last look, and how
@@ -68,7 +73,8 @@ class _Reporting:
         again would spin without ever letting the loop report the failure (the thread's
         writer marks itself failed before the loop hears of it); it hears of it from its
         next ``commit`` instead."""
-        return self.failed is None and self.backlog >= self.backlog_limit
+        return self.failed is None and (self.backlog >= self.backlog_limit
+                                        or self.backlog_bytes >= self.bytes_limit)
 
     async def caught_up(self) -> None:
         """Wait until the backlog is down to half the limit (or the writer failed: nothing
@@ -79,11 +85,18 @@ class _Reporting:
             await fut
 
     def _caught_up(self) -> bool:
-        return self.backlog <= self.backlog_limit // 2 or self.failed is not None
+        return (self.backlog <= self.backlog_limit // 2
+                and self.backlog_bytes <= self.bytes_limit // 2) or self.failed is not None
 
-    def _reported(self, n: int) -> None:
-        """``n`` queued records were reported (durable or failed): off the backlog."""
-        self.backlog -= n
+    def _queued(self, record: Record) -> None:
+        self.backlog += 1
+        if record.raw is not None:
+            self.backlog_bytes += len(record.raw)
+
+    def _reported(self, entries: list[_Entry]) -> None:
+        """``entries`` (queued records) were reported (durable or failed): off the backlog."""
+        self.backlog -= len(entries)
+        self.backlog_bytes -= sum(len(rec.raw) for rec, _ in entries if rec.raw is not None)
         if self._waiting and self._caught_up():
             waiting, self._waiting = self._waiting, []
             for fut in waiting:
@@ -168,7 +181,7 @@ class Writer(_Reporting):
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks; the writer batches what accumulates)."""
-        self.backlog += 1
+        self._queued(record)
         self._queue.put((record, None))
 
     def commit(self, record: Record) -> asyncio.Future[Commit]:
@@ -178,7 +191,7 @@ class Writer(_Reporting):
         if self.failed is not None:
             fut.set_result(Commit.FAILED)
         else:
-            self.backlog += 1
+            self._queued(record)
             self._queue.put((record, fut))
             self._asked += 1
             if self._napping:  # (only when needed: the thread is woken, the GIL asked for)
@@ -312,7 +325,7 @@ class Writer(_Reporting):
               refused: frozenset[str]) -> None:
         if error is not None:
             self.on_error(error)
-        self._reported(len(batch))
+        self._reported(batch)
         if refused:  # (a shared job, after this process stalled past its leases: rare)
             kept = []
             for rec, fut in batch:
@@ -380,7 +393,7 @@ class ProcessWriter(_Reporting):
 
     def put(self, record: Record) -> None:
         """Queue a record (never blocks)."""
-        self.backlog += 1
+        self._queued(record)
         self._batch.append((record, None))
         if not self._due and self._loop is not None:
             self._due = True
@@ -393,7 +406,7 @@ class ProcessWriter(_Reporting):
         if self.failed is not None:
             fut.set_result(Commit.FAILED)
             return fut
-        self.backlog += 1
+        self._queued(record)
         self._batch.append((record, fut))
         if not self._due and self._loop is not None:
             self._due = True
@@ -429,7 +442,7 @@ class ProcessWriter(_Reporting):
         batch, self._batch = self._batch, []
         if batch and self.failed is not None:
             _answer(batch, Commit.FAILED)
-            self._reported(len(batch))
+            self._reported(batch)
         elif batch:
             try:
                 seq = self.proc.send(rec for rec, _ in batch)
@@ -464,7 +477,7 @@ class ProcessWriter(_Reporting):
         if not entries:
             return
         _answer(entries, Commit.DURABLE)
-        self._reported(len(entries))
+        self._reported(entries)
         self._count([e[0] for e in entries])
 
     def _fail(self, error: StorageError) -> None:
@@ -478,7 +491,8 @@ class ProcessWriter(_Reporting):
             _answer(self._to_apply.popleft()[1], Commit.FAILED)
         batch, self._batch = self._batch, []
         _answer(batch, Commit.FAILED)
-        self._reported(self.backlog)  # (all of it, queued or sent: none is durable)
+        self.backlog = self.backlog_bytes = 0  # (all of it, queued or sent: none is durable)
+        self._reported([])
         self._check_idle()
 
     def _check_idle(self) -> None:

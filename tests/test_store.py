@@ -884,6 +884,34 @@ async def test_a_writer_behind_its_backlog_holds_new_requests_until_it_catches_u
     assert outcomes_of(state) == {"a": "ok"} and sends_of(state) == {"a": 1, "b": 1, "c": 1}
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+async def test_a_writer_behind_by_its_payloads_bytes_holds_new_requests(
+        tmp_path: Path, kind: str) -> None:
+    """The backlog counted records only: 1,024 answers of 8 MiB (max_body_bytes) were held in
+    memory, 8 GiB, while the store fell behind. Past ``bytes_limit`` of queued payloads the
+    writer is ``behind`` too, and caught up at half of it."""
+    state = tmp_path / "state"
+    store = await open_store(state)
+    w: Writer | ProcessWriter = (
+        ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
+                      on_error=print) if kind == "process"
+        else Writer(store, on_commit=lambda b: None, on_error=print, linger=0.0, hold=0.0))
+    w.bytes_limit = 3000
+    w.put(Record("run", ts=TS, extra={"job": JOB}))
+    body = b'{"pad": "' + b"x" * 990 + b'"}'
+    for item in "abc":
+        w.put(Record("ok", item, status=200, raw=body, paid=1, ts=TS))
+    assert w.backlog == 4 and w.backlog_bytes == 3 * len(body) and w.behind()
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(w.caught_up(), 30)
+    assert w.backlog_bytes <= 1500 and not w.behind()
+    w.close()
+    await task
+    await store.close()
+    assert w.backlog == w.backlog_bytes == 0
+    assert outcomes_of(state) == {"a": "ok", "b": "ok", "c": "ok"}
+
+
 async def test_a_failed_writer_has_no_backlog_and_holds_nobody(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = await open_store(state)
