@@ -370,9 +370,12 @@ class Run:
         if budget.exhausted:  # pass 2 could not send anything: no cool-down to wait out
             self.stop.set(budget_halt(budget))
             return False
-        self.cooling = True
-        await _wait_first(self.stop.event, timeout=cfg.cooldown)
-        self.cooling = False
+        # (nor where each failure is settled without a request: a 404 not checked again, an
+        # answer bought paid_retries times; the whole cool-down was waited out for nothing)
+        if second is not None or any(not self._not_again(f[0], f[4]) for f in failed.values()):
+            self.cooling = True
+            await _wait_first(self.stop.event, timeout=cfg.cooldown)
+            self.cooling = False
         if self.stop.is_set():
             return False
         # A shared job's pass 2 claims the job's failures from the database: this run's own
@@ -542,14 +545,19 @@ class Run:
                                           unusable=bought)
         return [item for item in todo if item not in details] if details else todo
 
+    def _not_again(self, permanent: bool, unusable: int) -> bool:
+        """Whether pass 2 settles a pass-1 failure unavailable without a request: an unusable
+        answer bought more than ``paid_retries`` times, or a permanent failure (a 404) that
+        is not to be checked again (``recheck_permanent``)."""
+        return unusable > self.config.paid_retries or (permanent
+                                                       and not self.config.recheck_permanent)
+
     async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
                                writer: AnyWriter) -> AsyncIterator[Chunk]:
         """Pass 1's failures, minus those not to try again: settled unavailable at once."""
-        cfg = self.config
         chunk: list[str] = []
         for item, (permanent, status, error, tries, unusable) in failed.items():
-            bought = unusable > cfg.paid_retries  # never buy an unusable answer again
-            if bought or (permanent and not cfg.recheck_permanent):
+            if self._not_again(permanent, unusable):
                 writer.put(_unavailable(item, tries, status, error, permanent=permanent))
                 continue
             if unusable:

@@ -1060,6 +1060,21 @@ async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
     assert (final.ok, final.failed, final.unavailable) == (20, 0, 5)
 
 
+async def test_no_cool_down_is_waited_out_where_pass_2_would_send_nothing(state: Path) -> None:
+    """Every failure of pass 1 a 404 not to be checked again (``recheck_permanent = false``):
+    pass 2 settles them unavailable without a request, and the run waited out the whole
+    cool-down first (the README's 300 s: five idle minutes) before it did so."""
+    faults = {f"gone{i}": Fault("not_found") for i in range(3)}
+    seen: list[Progress] = []
+    async with MockAPI(api_key=KEY, faults=faults) as api:
+        cfg = fast_config(api, state, cooldown=300.0, recheck_permanent=False)
+        async with Crawler(cfg, on_progress=seen.append, progress_every=0.02) as crawler:
+            summary = await asyncio.wait_for(crawler.run(["ok1", *faults]), 60)
+        assert len(api.starts()) == 4  # (pass 2 sent none)
+    assert (summary.ok, summary.unavailable) == (1, 3)
+    assert not any(p.cooling_down for p in seen)
+
+
 async def test_progress_total_counts_ids_not_duplicate_lines(state: Path) -> None:
     ids = [f"d{i}" for i in range(20)]
     seen: list[Progress] = []
