@@ -305,9 +305,12 @@ def status_class(status: int, config: Config) -> Outcome:
 def body_code(code: Any) -> int:
     """An error code found in a body (``[response] error_field``) as a status to classify: an
     integer, also when written as a string or a float (``"402"``, ``402.0``: many APIs send
-    their codes so); anything else (a word, ``true``, a fraction) counts as a 400."""
+    their codes so); anything else (a word, ``true``, a fraction, or an integer that is no
+    HTTP status: ``0``, ``-1``, ``10001``, an application's own codes) counts as a 400. (Such
+    an integer was retried as an unknown status is: every try a paid 200, ``2 x max_tries``
+    of them an ID, with no ``paid_retries`` to stop it.)"""
     number = _integer(code)
-    return 400 if number is None else number
+    return 400 if number is None or not 100 <= number <= 599 else number
 
 
 def _integer(code: Any) -> int | None:
@@ -644,8 +647,6 @@ class Fetcher:
                 return Attempt(Outcome.OK, 200, orjson.loads(body), None, None, True, body)
             except orjson.JSONDecodeError:
                 pass  # classified below
-        retry_after = None if status < 300 else parse_retry_after(
-            headers.get("Retry-After"), date=headers.get("Date"))
         if body is None:  # (over the limit: a 2xx is an answer paid for that cannot be used,
             if not 200 <= status < 300:  # any other status is what it says)
                 return self._classify(item_id, status, headers, b"")
@@ -680,6 +681,10 @@ class Fetcher:
                            body=body if cfg.response_format == "json" and not head else None)
         error = f"HTTP {effective}" if effective == status else f"HTTP {status}, body code {effective}"
         kind = ErrorKind.HTTP
+        # (a 2xx too, whose body code or classify hook says to retry: a 429 in the body with
+        # its Retry-After was retried after the backoff's fraction of a second)
+        retry_after = parse_retry_after(headers.get("Retry-After"), date=headers.get("Date")) \
+            if status >= 300 or outcome is Outcome.RETRY else None
         if not body_ok and 200 <= status < 300:
             error, kind = _unparsable(status, body, cfg), ErrorKind.BODY
         return Attempt(outcome, effective, error=error, retry_after=retry_after, billable=billable,

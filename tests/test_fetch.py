@@ -432,8 +432,9 @@ async def test_small_gzip_body_is_decoded(server: Server, session: aiohttp.Clien
 
 
 @pytest.mark.parametrize(("code", "status"), [
-    (402, 402), ("402", 402), (" 401 ", 401), (401.0, 401), (1001, 1001),  # numbers, however written
-    ("E402", 400), (401.5, 400), (True, 400), ("", 400), ([402], 400)])  # anything else: a 400
+    (402, 402), ("402", 402), (" 401 ", 401), (401.0, 401), (599, 599),  # numbers, however written
+    ("E402", 400), (401.5, 400), (True, 400), ("", 400), ([402], 400),  # anything else: a 400,
+    (1001, 400), (0, 400), (-1, 400), (10001, 400), (99, 400), (600, 400)])  # no HTTP status too
 def test_a_body_code_is_a_status_however_the_api_writes_it(code: object, status: int) -> None:
     assert body_code(code) == status
 
@@ -443,12 +444,25 @@ async def code_in_body(request: web.Request) -> web.Response:
     return web.json_response({"code": json.loads(request.match_info["id"]), "data": 1})
 
 
+async def test_a_retry_after_on_a_2xx_whose_body_says_429_is_honoured(
+        session: aiohttp.ClientSession) -> None:
+    """``Retry-After`` was read only from answers of status 300 and up: a 200 whose body code
+    is 429, with its ``Retry-After: 4``, was retried after the backoff's fraction of a second."""
+    async def limited(request: web.Request) -> web.Response:
+        return web.json_response({"code": 429}, headers={"Retry-After": "4"})
+
+    async for srv in serve("127.0.0.1", lambda _: [web.get("/lim/{id}", limited)]):
+        a = await attempt(session, srv.base + "/lim/{id}", "x", error_field="code")
+    assert a.outcome is Outcome.RETRY and a.status == 429 and a.retry_after == 4.0, a
+
+
 @pytest.mark.parametrize(("code", "success", "outcome"), [
     (200, [], Outcome.OK), ("200", [], Outcome.OK), (204.0, [], Outcome.OK),  # a 2xx: a success
     (402, [], Outcome.FATAL), ("503", [], Outcome.RETRY), (404, [], Outcome.SKIP),
-    (0, [], Outcome.RETRY), (0, [0], Outcome.OK), ("0", [0], Outcome.OK), (0, ["0"], Outcome.OK),
+    (0, [], Outcome.SKIP), (0, [0], Outcome.OK), ("0", [0], Outcome.OK), (0, ["0"], Outcome.OK),
     (0.0, [0], Outcome.OK), ("ok", ["ok"], Outcome.OK), ("OK", ["ok"], Outcome.SKIP),
-    ([1], [[1]], Outcome.OK), (True, [1], Outcome.SKIP), (1, [True], Outcome.RETRY)])
+    ([1], [[1]], Outcome.OK), (True, [1], Outcome.SKIP), (1, [True], Outcome.SKIP),
+    (10001, [], Outcome.SKIP)])
 async def test_a_code_in_the_body_is_classified_like_a_status(
         session: aiohttp.ClientSession, code: object, success: list[object],
         outcome: Outcome) -> None:
