@@ -110,6 +110,7 @@ class Run:
         self.budget: Budget | None = None
         self.escaped: BaseException | None = None  # (``_escape``)
         self._local_since: float | None = None  # (``_no_files``)
+        self._local_said = False
         self._local_last = 0.0
         self._alerting: asyncio.Event | None = None  # set by a signal while a halt's alerts go
 
@@ -741,6 +742,10 @@ class Run:
         (files leaked, or taken by another part of the application), the run stops (exit 2)
         rather than go round for ever."""
         now = time.monotonic()
+        if not self._local_said:  # once a run (an application heard nothing of it, and
+            self._local_said = True  # crawled at a tenth of its concurrency)
+            log.warning("%s; meanwhile fewer requests are in flight than concurrency = %s",
+                        attempt.error, self.config.concurrency)
         if self._local_since is None or now - self._local_last > LOCAL_GAP:  # (tries held
             self._local_since = now  # meanwhile, by a pause say: the count starts again)
         self._local_last = now

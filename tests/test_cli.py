@@ -1412,10 +1412,12 @@ def test_a_limit_on_open_files_below_the_concurrency_is_raised_or_refused(
 def test_tries_this_machine_cannot_make_wait_and_are_not_charged(
         tmp_path: Path, mock_process: Any) -> None:
     """A library run (which leaves the process's limits alone) with fewer files than its
-    concurrency: a try refused a socket waits for connections to close; no ID fails for it."""
+    concurrency: a try refused a socket waits for connections to close; no ID fails for it.
+    The application hears of it once (it crawled at a fraction of its concurrency, unsaid)."""
     mock = mock_process("--faults", "none", "--api-key", KEY, "--latency", "0.05")
     script = f"""
-import asyncio, resource
+import asyncio, logging, resource
+logging.basicConfig()
 resource.setrlimit(resource.RLIMIT_NOFILE, (80, 80))
 from asyncrawl import Config, Crawler
 cfg = Config(url={mock.item_url!r}, state_dir={str(tmp_path / "state")!r},
@@ -1428,6 +1430,7 @@ print(s.ok, s.failed, s.unavailable, s.exit_code)
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["600", "0", "0", "0"], r.stdout + r.stderr
+    assert r.stderr.count("fewer requests are in flight") == 1, r.stderr
 
 
 # -- standard output and error that cannot be written ---------------------------------------------
