@@ -14,6 +14,7 @@ import asyncio
 import inspect
 import logging
 import operator
+import weakref
 from collections.abc import AsyncIterable, Callable, Iterable
 
 import aiohttp
@@ -38,6 +39,8 @@ log = logging.getLogger("asyncrawl")
 
 __all__ = ["Crawler", "Halt", "Progress", "Result", "Summary"]
 
+
+_WARNED: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()  # (``RESEND_WARNING`` said)
 
 class Crawler:
     """Fetch every ID once. Use as ``async with Crawler(config) as c: summary = await c.run(ids)``.
@@ -124,7 +127,8 @@ class Crawler:
                            on_attempt=on_attempt, progress_every=progress_every)
         self.total = total
         self._session = session
-        if session is not None and resends_silently(session):
+        if session is not None and resends_silently(session) and session not in _WARNED:
+            _WARNED.add(session)  # (once a session: not for each Crawler an application makes)
             log.warning("%s", RESEND_WARNING)
         narrow = None if session is None else connection_limit(session)
         if narrow is not None and narrow < self.config.concurrency:
