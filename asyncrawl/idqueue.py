@@ -26,6 +26,8 @@ class Item:
     unusable: int = 0  # paid (2xx) answers with no usable body (did not parse, cut short, too
     #                    large: ``Attempt.unusable``), in every pass and run so far
     suspect: bool = False  # failed in an earlier run: its failures are no sign of an outage
+    # in pass 2, answered a skip in pass 1 (a 404): a 5xx or no answer now is a sign of one
+    witness: bool = False
     sent: bool = False  # a request for it left in this pass (even if the try was not charged)
     covered: bool = False  # its intent was durable once in this pass (the IDs file's frontier)
     block: int = -1  # the block of the IDs file it was read in (pass 1 of a file), else -1

@@ -561,8 +561,8 @@ class Run:
             if self._not_again(permanent, unusable):
                 writer.put(_unavailable(item, tries, status, error, permanent=permanent))
                 continue
-            if unusable:
-                self.history[item] = Item(item, unusable=unusable)
+            if unusable or permanent:
+                self.history[item] = Item(item, unusable=unusable, witness=permanent)
             chunk.append(item)
             if len(chunk) >= CHUNK_IDS:
                 yield chunk, -1, None

@@ -434,8 +434,11 @@ class Worker:
 
     def _first(self, item: Item) -> bool:
         """Whether ``item`` is on its first try in pass 1 with no failure behind it (from an
-        earlier run): only such tries tell something of the API rather than of the ID."""
-        return item.tries == 0 and self.pass_no == 1 and not item.suspect
+        earlier run), or on its first try in pass 2 after a skip-class answer in pass 1 (a
+        404 that now fails otherwise says so of the API): only such tries tell something of
+        the API rather than of the ID. (Pass 2's tries told nothing: an outage that lasted
+        into pass 2 ended every one of its IDs confirmed unavailable, a 404's as a 503.)"""
+        return item.tries == 0 and not item.suspect and (self.pass_no == 1 or item.witness)
 
     async def _send(self, item: Item, lane: int = 0, first: bool = True,
                     request: Request | None = None) -> Attempt:

@@ -1061,6 +1061,25 @@ async def test_pass_2_progress_counts_its_own_ids(state: Path) -> None:
     assert (final.ok, final.failed, final.unavailable) == (20, 0, 5)
 
 
+async def test_an_outage_that_lasts_into_pass_2_is_waited_out_not_recorded(state: Path) -> None:
+    """Pass 2's tries were no evidence of an outage: one that lasted past the cool-down
+    ended every ID of pass 2 confirmed unavailable (the 404s among them as 503s), and later
+    runs skipped them. IDs that answered a skip in pass 1 are witnesses in pass 2: their 503s
+    open the breaker, which holds the pass until the outage is over."""
+    faults = {f"gone{i:02d}": Fault("not_found") for i in range(40)}
+    ids = [f"ok{i:02d}" for i in range(40)] + list(faults)
+    async with MockAPI(api_key=KEY, faults=faults, outage=(0.6, 2.5)) as api:
+        cfg = fast_config(api, state, cooldown=0.8, breaker_probe_max=0.3, concurrency=4,
+                          rate=400.0)
+        async with Crawler(cfg) as crawler:
+            summary = await asyncio.wait_for(crawler.run(ids), 60)
+        outage = [e for e in api.log if e.event == "end" and e.status == 503]
+    assert (summary.ok, summary.unavailable) == (40, 40)
+    gone = list(status_rows(state, "unavailable"))
+    assert len(gone) == 40 and {row["status"] for row in gone} == {404}, gone[:3]
+    assert outage and len(outage) < 40  # (the breaker held pass 2: a few probes, not 3 an ID)
+
+
 async def test_no_cool_down_is_waited_out_where_pass_2_would_send_nothing(state: Path) -> None:
     """Every failure of pass 1 a 404 not to be checked again (``recheck_permanent = false``):
     pass 2 settles them unavailable without a request, and the run waited out the whole
@@ -1681,3 +1700,9 @@ async def test_the_budget_counts_a_request_that_got_no_answer_as_spent(state: Pa
     assert s.halt is not None and s.halt.reason == "budget"
     assert len(received) <= 10, received  # (each a call the server may bill)
     assert s.unanswered >= 1  # (the stalls, told as possibly billed)
+
+
+def status_rows(state: Path, outcome: str) -> list[dict[str, Any]]:
+    out = io.StringIO()
+    export(Config(url="http://unused/{id}", state_dir=str(state)), outcome=outcome, out=out)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
