@@ -45,7 +45,8 @@ from .jobwide import Heartbeat, claimed, merge
 from .live import Gauges, Meter, Tally, tick
 from .pgstore import PgStore
 from .records import Commit, Counts, Record, settled
-from .source import CHUNK_IDS, IdsFile, file_identity
+from .source import IdsFile, file_identity
+from .sqlstore import SqliteStore
 from .stop import Stop
 from .store import Store
 from .types import ErrorKind, Halt, Progress, Result, Summary, ids_left
@@ -95,6 +96,7 @@ class Run:
         # IDs that come into a pass with a history: failed in an earlier run (their failures say
         # nothing about the upstream now), or already sold unusable answers (pass 2)
         self.history: dict[str, Item] = {}
+        self._store: SqliteStore | None = None  # (a state directory's: pass 2 reads from it)
         self._workers: Worker | None = None
         self._writer: AnyWriter | None = None  # (``execute``'s: ``progress`` says if it stalled)
         self.resumed = False  # read an unchanged IDs file on from the state's frontier
@@ -208,6 +210,7 @@ class Run:
         self._lean = lean
         keep_reads_off_mmap()
         shared = store if isinstance(store, PgStore) else None
+        self._store = store if isinstance(store, SqliteStore) else None
         ident = None  # (before any task of the run exists: an error here leaves none behind)
         if isinstance(source, IdsFile) and shared is None:
             ident = await asyncio.to_thread(file_identity, source.path)
@@ -328,7 +331,7 @@ class Run:
         fetcher = Fetcher(session, cfg, request_for=hooks.request_for, classify=hooks.classify,
                           observe=self._observe, lean=self._lean)
         try:
-            failed = (await self._pass(1, first, fetcher, budget, writer)).failed
+            failed = await self._pass(1, first, fetcher, budget, writer)
             self._never_answered()  # (before pass 2: its IDs stay failed, for a rerun)
             while await self._second_pass(failed, fetcher, budget, writer, second, second_left) \
                     and again is not None and shared is not None and await shared.pass_left(1):
@@ -336,7 +339,7 @@ class Run:
                 # takes part in their pass 1 too, rather than end while the job has work
                 log.info("the job has new IDs (merged by another process): this one fetches "
                          "them too")
-                failed = (await self._pass(1, again(), fetcher, budget, writer)).failed
+                failed = await self._pass(1, again(), fetcher, budget, writer)
         finally:
             fetcher.close()
 
@@ -358,7 +361,7 @@ class Run:
             f"{self._incurable_error[kind]} on {each} requests, and no answer"
             f"{f' {yet}' if yet else ''}: {INCURABLE[kind]}")))
 
-    async def _second_pass(self, failed: dict[str, Any], fetcher: Fetcher, budget: Budget,
+    async def _second_pass(self, failed: Ledger, fetcher: Fetcher, budget: Budget,
                            writer: AnyWriter, second: Callable[[], AsyncIterator[Chunk]] | None,
                            second_left: Callable[[], Awaitable[bool]] | None) -> bool:
         """After the cool-down, pass 2 over what failed (see ``_passes``), if anything did;
@@ -366,27 +369,26 @@ class Run:
         cfg = self.config
         if not cfg.second_pass or self.stop.is_set():
             return False
-        if not failed and (second_left is None or not await second_left()):
+        if not failed.failed and (second_left is None or not await second_left()):
             return True
         if budget.exhausted:  # pass 2 could not send anything: no cool-down to wait out
             self.stop.set(budget_halt(budget))
             return False
         # (nor where each failure is settled without a request: a 404 not checked again, an
         # answer bought paid_retries times; the whole cool-down was waited out for nothing)
-        if second is not None or any(not self._not_again(f[0], f[4]) for f in failed.values()):
+        if second is not None or failed.again:
             self.cooling = True
             await _wait_first(self.stop.event, timeout=cfg.cooldown)
             self.cooling = False
         if self.stop.is_set():
             return False
-        # A shared job's pass 2 claims the job's failures from the database: this run's own
-        # pass-1 failures must be there first (with no cool-down, the last of them could still
-        # be on their way, and the pass found nothing to do).
-        if second is not None and (await writer.commit(Record("sync")) is not Commit.DURABLE
-                                   or self.stop.is_set()):
+        # Pass 2 reads pass 1's failures from the state (a shared job's: the job's): this
+        # run's must be there first (with no cool-down, the last of them could still be on
+        # their way, and the pass found nothing to do).
+        if await writer.commit(Record("sync")) is not Commit.DURABLE or self.stop.is_set():
             return False
-        self.meter.pass2 = (self.tally.settled + self.tally.skipped, len(failed))
-        ids = second() if second is not None else self._second_pass_ids(failed, writer)
+        self.meter.pass2 = (self.tally.settled + self.tally.skipped, failed.failed)
+        ids = second() if second is not None else self._second_pass_ids(writer)
         await self._pass(2, ids, fetcher, budget, writer)
         return not self.stop.is_set()
 
@@ -553,22 +555,24 @@ class Run:
         return unusable > self.config.paid_retries or (permanent
                                                        and not self.config.recheck_permanent)
 
-    async def _second_pass_ids(self, failed: dict[str, tuple[bool, int | None, str | None, int, int]],
-                               writer: AnyWriter) -> AsyncIterator[Chunk]:
-        """Pass 1's failures, minus those not to try again: settled unavailable at once."""
-        chunk: list[str] = []
-        for item, (permanent, status, error, tries, unusable) in failed.items():
-            if self._not_again(permanent, unusable):
-                writer.put(_unavailable(item, tries, status, error, permanent=permanent))
-                continue
-            if unusable or permanent:
-                self.history[item] = Item(item, unusable=unusable, witness=permanent)
-            chunk.append(item)
-            if len(chunk) >= CHUNK_IDS:
+    async def _second_pass_ids(self, writer: AnyWriter) -> AsyncIterator[Chunk]:
+        """Pass 1's failures, read back from the state a chunk at a time, minus those not to
+        try again: settled unavailable at once."""
+        store = self._store
+        assert store is not None
+        after = ""
+        while failures := await store.failures(after):
+            after = failures[-1][0]
+            chunk: list[str] = []
+            for item, permanent, status, error, tries, unusable in failures:
+                if self._not_again(permanent, unusable):
+                    writer.put(_unavailable(item, tries, status, error, permanent=permanent))
+                    continue
+                if unusable or permanent:
+                    self.history[item] = Item(item, unusable=unusable, witness=permanent)
+                chunk.append(item)
+            if chunk:
                 yield chunk, -1, None
-                chunk = []
-        if chunk:
-            yield chunk, -1, None
 
     async def _pass(self, pass_no: int, ids: AsyncIterator[Chunk], fetcher: Fetcher,
                     budget: Budget, writer: AnyWriter) -> Ledger:
@@ -577,7 +581,9 @@ class Run:
         self.pass_no = pass_no
         queue = IdQueue(maxsize=max(64, 2 * cfg.concurrency))
         parking = Parking(queue)
-        ledger = Ledger(writer if pass_no == 1 else None)
+        ledger = Ledger(writer if pass_no == 1 else None,
+                        again_if=lambda permanent, unusable: not self._not_again(permanent,
+                                                                                  unusable))
         workers = self._workers = Worker(
             config=cfg, pass_no=pass_no, queue=queue, parking=parking, ledger=ledger,
             governor=gov, budget=budget, fetcher=fetcher, sink=writer, stop=self.stop,

@@ -556,6 +556,23 @@ class SqliteStore:
         was = self._meta_json("source")
         return was.get("lines") if _same_file(was, source) else None
 
+    async def failures(self, after: str = "") -> list[tuple[str, bool, int | None, str | None,
+                                                           int, int]]:
+        """Of this run's IDs (every one ``admit`` took), those failed now, in order of their
+        IDs past ``after``, ``CHUNK`` at most: ``(id, permanent, status, error, tries,
+        unusable)`` (pass 2's IDs, read from the state: memory does not grow with them)."""
+        return await _off_loop(self._failures, after)
+
+    def _failures(self, after: str) -> list[tuple[str, bool, int | None, str | None, int, int]]:
+        db = self._reader
+        assert db is not None, "failures() needs a store opened for a run"
+        with self._reading():
+            return [(item, state == "perm", status, error, tries or 0, unusable or 0)
+                    for item, state, status, error, tries, unusable in db.execute(
+                        "SELECT s.id, i.state, i.status, i.error, i.tries, i.unusable FROM "
+                        "temp.seen AS s JOIN items AS i ON i.id = s.id WHERE s.id > ? AND "
+                        "i.state IN ('failed', 'perm') ORDER BY s.id LIMIT ?", (after, CHUNK))]
+
     def unsettled(self) -> Iterator[list[str]]:
         """The IDs the state holds unsettled (failed, or sent without a result), from the
         ``items_open`` index, a block at a time."""

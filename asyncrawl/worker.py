@@ -118,8 +118,9 @@ def budget_halt(budget: Budget) -> Halt:
 class Ledger:
     """One pass's account of its IDs, kept by the producer and the workers and read by the
     pass's owner: ``done`` is set once the producer has finished and every ID it took in is
-    settled. ``failed`` holds pass 1's failures for pass 2: id -> (permanent, status, error,
-    tries, unusable).
+    settled. ``failed`` counts the pass's failures, ``again`` those of them that pass 2 would
+    send (``again_if(permanent, unusable)``); pass 2 reads them back from the store (memory
+    does not grow with them).
 
     Reading an IDs file, it also keeps the *frontier*: the end of the longest run of blocks of
     the file whose every ID is settled or has its durable ``sent`` intent (an ID already failed
@@ -127,11 +128,14 @@ class Ledger:
     later run of the same file reads on from there, and takes what the state holds unsettled
     before it from the state itself."""
 
-    def __init__(self, sink: Sink | None = None) -> None:
+    def __init__(self, sink: Sink | None = None,
+                 again_if: Callable[[bool, int], bool] | None = None) -> None:
         self.outstanding = 0  # taken in, not settled
         self.feeding = True  # the producer may take in more
         self.unsent = 0  # taken in, never sent, not suspect: what the breaker is there to protect
-        self.failed: dict[str, tuple[bool, int | None, str | None, int, int]] = {}
+        self.failed = 0
+        self.again = 0
+        self._again_if = again_if
         self.done = asyncio.Event()
         self._sink = sink
         self._uncovered: dict[int, int] = {}  # block -> IDs taken in, not yet sent
@@ -140,7 +144,7 @@ class Ledger:
 
     def __repr__(self) -> str:
         return (f"<Ledger outstanding={self.outstanding} feeding={self.feeding} "
-                f"unsent={self.unsent} failed={len(self.failed)}>")
+                f"unsent={self.unsent} failed={self.failed}>")
 
     def take(self, item: Item) -> None:
         self.outstanding += 1
@@ -196,8 +200,9 @@ class Ledger:
 
     def settled(self, item: Item, rec: Record) -> None:
         if rec.kind == "failed":
-            self.failed[item.id] = (rec.permanent, rec.status, rec.error, item.tries,
-                                    item.unusable)
+            self.failed += 1
+            if self._again_if is not None and self._again_if(rec.permanent, item.unusable):
+                self.again += 1
         self.outstanding -= 1
         if self.outstanding == 0 and not self.feeding:
             self.done.set()
