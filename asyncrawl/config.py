@@ -822,9 +822,10 @@ def _check_values(c: Config) -> None:
             raise bad("headers", f"{k!r}: {{id}} is not filled in a header; headers are the "
                                  "same for every request (the ID goes in the URL, a query "
                                  "parameter's value or the body)")
-    if c.content_type is not None and "content-type" in seen:
-        raise bad("content_type", f"and the header {seen['content-type']!r} both give the "
-                                  "body's type: give it once")
+    if c.content_type is not None and "content-type" in seen and _media(c.content_type) != \
+            _media(str(c.headers[seen["content-type"]])):
+        raise bad("content_type", f"and the header {seen['content-type']!r} give the body two "
+                                  "types: give it once")
     for k in c.params:
         if "{id}" in str(k):
             raise bad("params", f"{k!r}: {{id}} is filled in a parameter's value, not its name")
@@ -884,6 +885,11 @@ def _check_keys(c: Config) -> None:
     if any(k.lower() == c.key_header.lower() for k in c.headers):
         raise _bad("key_header", f"{c.key_header!r} is in [request.headers] too: with [request] "
                                  "keys, each request carries one of the keys there")
+
+
+def _media(content_type: str) -> str:
+    """A content type's media type, as compared (``Application/JSON; charset=x``: ``application/json``)."""
+    return content_type.split(";")[0].strip().lower()
 
 
 def key_fingerprint(key: str) -> str:

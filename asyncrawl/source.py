@@ -250,8 +250,10 @@ async def _file_chunks(path: str, start: int = 0, line: int = 0, end: int | None
             parts = [items[i:i + CHUNK_IDS] for i in range(0, len(items), CHUNK_IDS)] or [[]]
             for i, part in enumerate(parts):
                 yield part, mark if i == len(parts) - 1 else None
-        if rest and (end is None or offset < end or not await f.read(1)):  # (else: a line
-            item = parse_line(rest, path=path, line=line + 1)  # cut by ``end``, left whole)
+        # the last line: whole where the file ends there, or goes on with its line end (else it
+        # is a line cut by ``end``, being written: left whole to the next run)
+        if rest and (end is None or offset < end or await f.read(1) in (b"", b"\n", b"\r")):
+            item = parse_line(rest, path=path, line=line + 1)
             yield ([item] if item is not None else []), None
     finally:
         await opened.__aexit__(None, None, None)

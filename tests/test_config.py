@@ -523,7 +523,7 @@ def test_a_misspelt_missing_or_positional_argument_is_a_config_error() -> None:
     ({"params": {"{id}": "x"}}, "request.params", "value, not its name"),
     ({"method": "POST", "body": "a={id}", "content_type": "text/plain",
       "headers": {"content-type": "application/x-www-form-urlencoded"}},
-     "request.content_type", "give it once"),
+     "request.content_type", "two types"),
 ])
 def test_an_id_where_it_is_never_filled_in_or_a_body_typed_twice_is_refused(
         kwargs: dict[str, Any], key: str, says: str) -> None:
@@ -532,3 +532,6 @@ def test_an_id_where_it_is_never_filled_in_or_a_body_typed_twice_is_refused(
     with pytest.raises(ConfigError, match=says) as e:
         Config(url=URL, **kwargs)
     assert e.value.key == key
+    # (the same type both ways is no conflict: a config's content_type and -H's header)
+    Config(url=URL, method="POST", body="a={id}", content_type="application/json",
+           headers={"Content-Type": "Application/JSON; charset=utf-8"})

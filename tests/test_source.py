@@ -317,3 +317,17 @@ async def test_an_async_source_waiting_for_room_is_closed_with_its_chunks() -> N
         await asyncio.sleep(0)
     await chunks.aclose()
     assert closed == [True]
+
+
+@pytest.mark.parametrize(("added", "read"), [(b"\nc\n", ["a", "b"]), (b"c\nd\n", ["a"]),
+                                             (b"", ["a", "b"]), (b"\r\nc\r\n", ["a", "b"])])
+async def test_a_run_reads_the_file_as_it_was_when_it_began(
+        tmp_path: Path, added: bytes, read: list[str]) -> None:
+    """Up to the size the file had (``end``): its last line whole if the file ended there or
+    went on with its line end (``b`` was dropped when ``\\nc\\n`` was appended), and left to the
+    next run if it went on (``bc``: a line still being written)."""
+    from asyncrawl.source import IdsFile
+
+    path = ids_file(tmp_path, b"a\nb" + added)  # (3 bytes when the run began)
+    got = [item async for chunk, _ in IdsFile(path).marked_chunks(0, 0, 3) for item in chunk]
+    assert got == read
