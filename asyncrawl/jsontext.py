@@ -90,7 +90,8 @@ class _Room(contextlib.AbstractContextManager["_Room"]):
     process's: raised by the first thread in, set back by the last one out (two threads that
     each set back what they found could leave it raised, or lower it under the other)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_DEPTH + 1000) -> None:
+        self._limit = limit
         self._lock = threading.Lock()
         self._inside = 0
         self._found = 0
@@ -99,7 +100,7 @@ class _Room(contextlib.AbstractContextManager["_Room"]):
         with self._lock:
             if not self._inside:
                 self._found = sys.getrecursionlimit()
-                sys.setrecursionlimit(max(self._found, MAX_DEPTH + 1000))
+                sys.setrecursionlimit(max(self._found, self._limit))
             self._inside += 1
         return self
 
@@ -111,3 +112,6 @@ class _Room(contextlib.AbstractContextManager["_Room"]):
 
 
 _room = _Room()
+# what ``pickle`` needs to write a payload that deep (two of its calls a level): ``parquet``'s
+# spool, one thread's (a run's threads never export)
+deep_room = _Room(2 * MAX_DEPTH + 1000)

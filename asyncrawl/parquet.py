@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import StorageError, require_extra, temp_beside
-from .jsontext import json_text, writable
+from .jsontext import deep_room, json_text, writable
 
 ROW_GROUP = 65_536
 _INT64 = (-(2**63), 2**63 - 1)
@@ -81,11 +81,9 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path,
     os.close(fd)
     try:
         with tempfile.TemporaryFile(dir=path.parent) as spool:
-            dump = pickle.Pickler(spool, pickle.HIGHEST_PROTOCOL)
             for row in rows:
                 n += 1
-                dump.dump(row)
-                dump.clear_memo()
+                spool.write(_pickled(row))
                 if columns is None:
                     for k, v in row.items():
                         if v is not None:
@@ -111,6 +109,16 @@ def write_parquet(rows: Iterator[dict[str, Any]], path: Path,
             raise StorageError(f"cannot write the export: {e.strerror}", path=path) from None
         raise
     return n
+
+
+def _pickled(row: dict[str, Any]) -> bytes:
+    """``row`` for the spool: pickled, with room for a payload as deep as ``parse_json``
+    reads (pickle stopped at ~500 levels: RecursionError, the export with it)."""
+    try:
+        return pickle.dumps(row, pickle.HIGHEST_PROTOCOL)
+    except RecursionError:
+        with deep_room:
+            return pickle.dumps(row, pickle.HIGHEST_PROTOCOL)
 
 
 def _write(pa: Any, pq: Any, spool: IO[bytes], n: int, tmp: str, types: dict[str, str],
