@@ -804,7 +804,8 @@ async def test_numeric_header_values_are_sent_as_text(server: Server, session: a
 
 # -- the allocator regime of socket reads ----------------------------------------------------
 
-MMAPPED_READ = """
+# the start of a script that counts glibc's mmapped blocks (prints null elsewhere)
+MALLINFO = """
 import ctypes, json, socket, sys
 
 class MallInfo2(ctypes.Structure):
@@ -815,6 +816,9 @@ libc = ctypes.CDLL(None)
 if not hasattr(libc, "mallinfo2"):
     print(json.dumps(None)); sys.exit()
 libc.mallinfo2.restype = MallInfo2
+"""
+
+MMAPPED_READ = MALLINFO + """
 a, b = socket.socketpair()
 
 def mmapped_read() -> int:
@@ -849,18 +853,7 @@ def test_socket_read_buffers_come_from_the_heap_not_from_mmap() -> None:
     assert after == 0, "a read buffer was still mmapped after keep_reads_off_mmap()"
 
 
-BIG_BODIES = """
-import ctypes, json, sys
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-libc = ctypes.CDLL(None)
-if not hasattr(libc, "mallinfo2"):
-    print(json.dumps(None)); sys.exit()
-libc.mallinfo2.restype = MallInfo2
-
+BIG_BODIES = MALLINFO + """
 def mmapped(size: int) -> int:
     before = libc.mallinfo2().hblks
     block = bytearray(size)

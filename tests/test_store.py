@@ -853,6 +853,13 @@ async def test_writer_lets_unwaited_records_gather_but_not_waited_ones(tmp_path:
     assert w.commits == 2
 
 
+def _writer(store: Any, kind: str) -> Writer | ProcessWriter:
+    """The run's writer of ``kind``: feeding the store's writing process, or on a thread."""
+    if kind == "process":
+        return ProcessWriter(store.process, on_commit=lambda b: None, on_error=print)
+    return Writer(store, on_commit=lambda b: None, on_error=print, linger=0.0, hold=0.0)
+
+
 @pytest.mark.parametrize("kind", ["process", "thread"])
 async def test_a_writer_behind_its_backlog_holds_new_requests_until_it_catches_up(
         tmp_path: Path, kind: str) -> None:
@@ -861,10 +868,7 @@ async def test_a_writer_behind_its_backlog_holds_new_requests_until_it_catches_u
     the store has made it durable down to half the limit. A failed writer holds nobody."""
     state = tmp_path / "state"
     store = await open_store(state)
-    w: Writer | ProcessWriter = (
-        ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
-                      on_error=print) if kind == "process"
-        else Writer(store, on_commit=lambda b: None, on_error=print, linger=0.0, hold=0.0))
+    w = _writer(store, kind)
     w.backlog_limit = 4
     w.put(Record("run", ts=TS, extra={"job": JOB}))
     for item in "abc":  # (the process writer sends nothing before it runs; the thread's
@@ -892,10 +896,7 @@ async def test_a_writer_behind_by_its_payloads_bytes_holds_new_requests(
     writer is ``behind`` too, and caught up at half of it."""
     state = tmp_path / "state"
     store = await open_store(state)
-    w: Writer | ProcessWriter = (
-        ProcessWriter(store.process, on_commit=lambda b: None,  # type: ignore[attr-defined]
-                      on_error=print) if kind == "process"
-        else Writer(store, on_commit=lambda b: None, on_error=print, linger=0.0, hold=0.0))
+    w = _writer(store, kind)
     w.bytes_limit = 3000
     w.put(Record("run", ts=TS, extra={"job": JOB}))
     body = b'{"pad": "' + b"x" * 990 + b'"}'
