@@ -299,6 +299,9 @@ class Snapshot:
     # calls sent whose answer is not known (of the IDs in doubt or unanswered, those not
     # answered 2xx; in flight): at most this many more than ``billable`` may be billed
     unsure_calls: int = 0
+    # the last run ended without its end record (killed, or a storage failure that let it
+    # write no more: its halt unsaid); None where the store does not say (a shared job's)
+    cut_short: bool | None = None
 
     @property
     def billable_by_day(self) -> dict[str, int]:

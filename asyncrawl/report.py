@@ -72,6 +72,7 @@ def status(config: Config, *, endpoint: str | None = "") -> dict[str, Any]:
     out: dict[str, Any] = {
         **snap.counts.as_dict(),
         "halt": halt,
+        "last_run_cut_short": snap.cut_short,
         "billable": billable,
         "billable_by_date": dict(snap.billable_by_day),
         "ledger": ledger,
@@ -128,6 +129,9 @@ def status_text(s: dict[str, Any]) -> str:
         lines.append(f"not billed   {s['not_billed']:,} calls  (error answers; "
                      f"{s['requests_sent']:,} calls sent in all, {s['no_answer']:,} with no answer "
                      "known: possibly billed)")
+    if s.get("last_run_cut_short") and s.get("halt") is None:
+        lines.append("last run     ended without its end record: killed, or its state could not "
+                     "be written (a full disk: the run said so, exit 5); a rerun resumes")
     if s["in_doubt"] or s["possibly_billed_twice"]:
         lines.append(f"in doubt     {s['in_doubt']:,} sent when a run was cut off, no result kept "
                      f"(possibly billed), and {s['possibly_billed_twice']:,} more fetched again "

@@ -854,7 +854,7 @@ class SqliteStore:
                 logged_unanswered = db.execute(
                     "SELECT count(*) FROM items WHERE doubt = 2 AND sent_run IS NULL AND id IN "
                     "(SELECT value FROM json_each(?))", (orjson.dumps(ids).decode(),)).fetchone()[0]
-            last = db.execute("SELECT halt_reason, halt_status, halt_message FROM runs "
+            last = db.execute("SELECT halt_reason, halt_status, halt_message, ended FROM runs "
                               "ORDER BY run DESC LIMIT 1").fetchone()
         halt = Halt(last[0], last[1], last[2] or "") if last and last[0] else None
         counts = Counts(ok=tally.get("ok", 0), failed=tally.get("failed", 0) + tally.get("perm", 0),
@@ -869,7 +869,8 @@ class SqliteStore:
                         unanswered=doubt.get(2, 0) - (open_unanswered + logged_unanswered
                                                       if crashed else 0),
                         unanswered_refetched=doubt.get(3, 0),
-                        unsure_calls=unsure + open_lost + unapplied)
+                        unsure_calls=unsure + open_lost + unapplied,
+                        cut_short=bool(last) and last[3] is None and crashed)
 
     @contextlib.contextmanager
     def _with_payloads(self, columns: str, where: str,

@@ -315,6 +315,9 @@ def test_kill_9_then_rerun_refetches_only_what_was_in_flight(
     assert not {o["id"] for o in in_doubt} & durable
     assert not any(o["refetched"] for o in in_doubt)
     assert len(in_doubt) <= concurrency + BATCH_LIMIT
+    killed = status_json(c["cfg"])  # the killed run wrote no end: status says it was cut short
+    assert (killed["last_run_cut_short"], killed["halt"]) == (True, None)
+    assert "ended without its end record" in cli("status", "-c", str(c["cfg"]), env=ENV).stdout
 
     r = cli("run", "-c", str(c["cfg"]), "--no-progress", env=ENV)
     assert r.returncode == 0, r.stderr
@@ -341,6 +344,7 @@ def test_kill_9_then_rerun_refetches_only_what_was_in_flight(
     assert refetched <= {i for i, twice in in_doubt.items() if twice}
     s = status_json(c["cfg"])
     assert (s["ok"], s["failed"], s["unavailable"], s["halt"]) == (len(ids), 0, 0, None)
+    assert s["last_run_cut_short"] is False  # the rerun ended with its end record
     # the journal only knows what it recorded: the answers lost with the killed process are
     # exactly the re-fetched ones
     assert s["billable"] == len(ids) == sum(paid.values()) - len(refetched)

@@ -202,6 +202,8 @@ def test_cli_exits_5_naming_the_database_and_a_rerun_completes(
     assert durable <= set(answers(first_log))
     s = status_json(cfg)
     assert s["ok"] == len(durable) and s["in_doubt"] >= len(set(answers(first_log)) - durable)
+    # the run could write no end (nor its halt): status says it was cut short
+    assert (s["last_run_cut_short"], s["halt"]) == (True, None)
 
     r = cli("run", "-c", str(cfg), "--no-progress", env=ENV)
     assert r.returncode == 0, r.stderr
