@@ -139,6 +139,7 @@ class Crawler:
         self._own_session: aiohttp.ClientSession | None = None
         self._run: Run | None = None  # the current (or last) run
         self._live: dict[Run, asyncio.Future[None]] = {}  # runs under way: when each ends
+        self._asked: list[tuple[str, int | None]] = []  # stops asked for while none was under way
 
     def __repr__(self) -> str:
         return f"<Crawler {self._run!r}>"
@@ -188,9 +189,13 @@ class Crawler:
 
     def stop(self, reason: str = "signal", *, signum: int | None = None) -> None:
         """Stop the run like SIGINT: no new requests, in-flight ones get the grace period.
-        A second call cuts the grace period short."""
+        A second call cuts the grace period short. Called while no run is under way, it stops
+        the next run to start (at once: it sends nothing), as a ``run()`` task just created,
+        not yet started, would otherwise crawl on unstopped."""
         if signum is not None and (not isinstance(signum, int) or isinstance(signum, bool)):
             raise ConfigError(f"signum must be a signal number, got {signum!r:.40}")
+        if not self._live:
+            self._asked.append((reason, signum))
         for run in self._live:
             run.request_stop(reason, signum)
 
@@ -207,6 +212,9 @@ class Crawler:
         if self._session is not None and self._session.closed:
             raise ConfigError("the session given to the Crawler is closed")
         run = Run(self.config, self.hooks, total=self.total)
+        asked, self._asked = self._asked, []
+        for reason, signum in asked:  # (stopped before it started)
+            run.request_stop(reason, signum)
         ended = self._live[run] = asyncio.get_running_loop().create_future()
         try:
             return await self._execute(run, ids)

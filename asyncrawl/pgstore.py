@@ -92,6 +92,7 @@ from .records import (
     in_order_parts,
     utc_day,
 )
+from .tasks import in_thread
 from .types import Halt
 
 log = logging.getLogger("asyncrawl")
@@ -1254,7 +1255,7 @@ class PgStore:
             yield item, doubt == 3
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._close_sync)
+        await in_thread(self._close_sync)  # (to its end, even if cancelled meanwhile)
 
     def _close_sync(self) -> None:
         """Close each connection once no thread uses it (a merge or claim that a cancelled

@@ -49,6 +49,7 @@ from .source import IdsFile, file_identity
 from .sqlstore import SqliteStore
 from .stop import Stop
 from .store import Store
+from .tasks import finish
 from .types import ErrorKind, Halt, Progress, Result, Summary, ids_left
 from .worker import Ledger, Worker, billed_record, budget_halt, outcome_record
 from .writer import AnyWriter, ProcessWriter, Writer
@@ -406,13 +407,13 @@ class Run:
         writer.put(Record("end", extra=end))
         writer.close()
         try:
-            await _finish(writer_task)
+            await finish(writer_task)
         finally:
             try:  # the store is closed after this: never while the writer's thread writes
-                await _finish(asyncio.ensure_future(writer.join()))
+                await finish(asyncio.ensure_future(writer.join()))
             finally:
                 ticker.cancel()
-                await _finish(ticker)
+                await finish(ticker)
 
     async def _first_pass_ids(self, source: IdsFile | AsyncIterator[list[str]], store: Store,
                               ident: dict[str, Any] | None, writer: AnyWriter
@@ -687,7 +688,7 @@ class Run:
         for t in rest:
             t.cancel()
         try:
-            await _finish(asyncio.gather(*tasks, return_exceptions=True))
+            await finish(asyncio.gather(*tasks, return_exceptions=True))
         except asyncio.CancelledError:
             cancelled = True
         if cancelled:
@@ -899,22 +900,3 @@ async def _wait_first(*events: asyncio.Event, timeout: float | None) -> None:
         for w in waiters:
             w.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
-
-
-async def _finish(task: asyncio.Future[Any]) -> None:
-    """Await a task we own to its end, even if our caller is cancelled meanwhile (a second
-    cancellation is passed on to the task, to cut its own wait short); then raise what it
-    raised, or else our caller's cancellation, which must propagate (SPEC §8)."""
-    cancelled = False
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        cancelled = not task.cancelled()  # (else: the task itself was cancelled, by its owner)
-        if not task.done():  # we were cancelled while it still ran: wait once more, then let go
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    exc = task.exception() if task.done() and not task.cancelled() else None
-    if exc is not None:
-        raise exc
-    if cancelled:
-        raise asyncio.CancelledError

@@ -313,7 +313,7 @@ class SqliteStore:
                     await asyncio.wait([opening])
             if opening.exception() is None:  # (else it did not open: nothing is held)
                 with contextlib.suppress(Exception):  # (the cancellation is what is raised)
-                    await loop.run_in_executor(None, opening.result().close_sync)
+                    await opening.result().close()
             raise
 
     @classmethod
@@ -974,7 +974,11 @@ class SqliteStore:
         return [item for item in ids if item not in known]
 
     async def close(self) -> None:
-        await _off_loop(self.close_sync)
+        """Close the store (its writing process applies what it holds and exits; the lock is
+        released), to the end even if cancelled meanwhile (``tasks.in_thread``)."""
+        from .tasks import in_thread
+
+        await in_thread(self.close_sync)
 
     def close_sync(self) -> None:
         """``close``, blocking (in a thread)."""

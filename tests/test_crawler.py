@@ -287,6 +287,21 @@ async def test_injected_session_is_used_and_left_open(api: MockAPI, state: Path)
     assert s.ok == 2
 
 
+async def test_a_stop_asked_before_the_run_task_started_stops_it(api: MockAPI,
+                                                                 state: Path) -> None:
+    """``task = create_task(crawler.run(ids)); crawler.stop()`` (a shutdown that comes as the
+    crawl is being started): the run stops before it sends anything. The stop was dropped (no
+    run was under way yet) and the whole crawl ran, and was paid for."""
+    crawler = Crawler(fast_config(api, state))
+    task = asyncio.create_task(crawler.run([f"s{i}" for i in range(50)]))
+    crawler.stop()
+    s = await task
+    assert (s.ok, s.halt is not None and s.halt.reason) == (0, "signal")
+    assert api.paid() == []
+    s = await crawler.run(["s0", "s1"])  # the stop was that run's: the next one crawls
+    assert (s.ok, s.halt) == (2, None)
+
+
 async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
     ids = [f"id{i}" for i in range(400)]
     async with MockAPI(api_key=KEY, latency=0.01) as api:
@@ -788,10 +803,10 @@ async def test_an_ids_file_gone_since_it_was_checked_is_an_input_error_and_start
 
 
 async def test_finish_waits_for_the_task_then_lets_the_cancellation_through() -> None:
-    """``run._finish`` (how a run awaits the tasks it owns while it stops): a cancellation of
+    """``tasks.finish`` (how a run awaits the tasks it owns while it stops): a cancellation of
     the caller meanwhile is raised once the task has ended, never swallowed (SPEC §8: the
     CancelledError of a cancelled ``crawler.run()`` propagates)."""
-    from asyncrawl.run import _finish
+    from asyncrawl.tasks import finish as _finish
 
     gate = asyncio.Event()
     owned = asyncio.create_task(gate.wait())
@@ -814,6 +829,30 @@ async def test_finish_waits_for_the_task_then_lets_the_cancellation_through() ->
 
     with pytest.raises(ValueError):
         await _finish(asyncio.create_task(fails()))
+
+
+async def test_finish_of_a_task_cancelled_by_its_owner_keeps_the_caller_s_cancellation() -> None:
+    """The run stops its ticker (``ticker.cancel()``, then ``finish``), and the application
+    cancels the run in that same turn of the loop: the ticker ends cancelled, and so must the
+    run. The ticker's own cancellation was taken for the caller's, which was dropped: ``run()``
+    returned a Summary to a cancelled task (and an ``asyncio.timeout`` firing then raised
+    nothing)."""
+    from asyncrawl.tasks import finish
+
+    ticker = asyncio.create_task(asyncio.sleep(3600))
+    await asyncio.sleep(0)
+
+    async def closing() -> str:
+        ticker.cancel()
+        await finish(ticker)
+        return "returned"
+
+    caller = asyncio.create_task(closing())
+    await asyncio.sleep(0)  # (it has cancelled the ticker and waits for it)
+    caller.cancel()  # (the application's, before the ticker has run its cancellation)
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert ticker.cancelled()
 
 
 async def test_a_job_that_ends_exactly_at_the_request_budget_is_finished(state: Path) -> None:

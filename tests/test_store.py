@@ -51,6 +51,41 @@ async def committed(state: Path, *batches: Sequence[Record]) -> None:
         await store.close()
 
 
+async def test_a_close_cancelled_while_queued_behind_the_application_s_threads_still_closes(
+        tmp_path: Path) -> None:
+    """An application's blocking jobs fill the loop's default executor; the run's store is
+    closed (its last step) and the closing task is cancelled meanwhile: the close still runs
+    once a thread is free, then the cancellation is raised. It was dropped from the executor's
+    queue: the state stayed locked by this process (every later run of it refused, "another
+    run in this process"), its writing process alive, its files open."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrawl.lockfile import lock_holder
+
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=1)  # (the application's jobs take its thread)
+    loop.set_default_executor(executor)
+    state = tmp_path / "state"
+    store = await open_store(state)
+    assert store.process is not None
+    child = store.process.pid
+    gate = threading.Event()
+    busy = loop.run_in_executor(None, gate.wait, 60)
+    closing = asyncio.create_task(store.close())
+    for _ in range(3):
+        await asyncio.sleep(0)  # (its close queued behind the application's job)
+    closing.cancel()
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await busy
+    assert lock_holder(state) is None  # released: the close ran
+    assert child not in live_processes()
+    await (await open_store(state)).close()  # a later run of this process opens it
+    executor.shutdown()
+
+
 async def test_open_creates_a_private_database(tmp_path: Path) -> None:
     state = tmp_path / "deep" / "state"
     store = await open_store(state)
