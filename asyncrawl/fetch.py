@@ -556,10 +556,10 @@ class Fetcher:
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
                 f"{why}: Location {shown}")[:500], kind=ErrorKind.REDIRECT)
         if not same:  # never carry credentials to another origin (nor its Host)
+            target = _without_credentials(target, cfg, _ours(url, headers, cfg))
             headers = {k: v for k, v in headers.items()
                        if not cfg.is_secret_header(k) and cfg.redact(v) == v
                        and k.lower() != "host"}
-            target = _without_credentials(target, cfg)
         return target, headers
 
     def _certificate(self, e: BaseException, *, first: bool) -> Attempt:
@@ -713,14 +713,29 @@ def _unparsable(status: int, body: bytes, cfg: Config) -> str:
     return f"2xx body is not {what}: HTTP {status}, {size} ([response] format = {cfg.response_format})"
 
 
-def _without_credentials(url: URL, cfg: Config) -> URL:
-    """``url`` minus userinfo and every secret-named or secret-valued query parameter (a server
-    may echo the request's query, ``api_key`` included, into a ``Location``)."""
+def _ours(url: URL, headers: Mapping[str, str], cfg: Config) -> set[str]:
+    """The credentials a request to ``url`` with ``headers`` carried as written (a literal key
+    in the URL's query or a secret header, not only ``${ENV}`` values): the values of its
+    secret-named query parameters and headers, and a header's token (``Bearer <token>``)."""
+    ours = {v for k, v in url.query.items() if cfg.is_secret_param(k)}
+    for k, v in headers.items():
+        if cfg.is_secret_header(k):
+            ours.update((v, v.split()[-1] if v.split() else v))
+    ours.discard("")
+    return ours
+
+
+def _without_credentials(url: URL, cfg: Config, ours: set[str]) -> URL:
+    """``url`` (another origin's, from a ``Location``) minus userinfo and every query parameter
+    that carries a credential of ours, under any name: a secret value (``${ENV}``, an API key)
+    or one of ``ours`` (a server may echo the request's query, ``api_key`` included, into a
+    ``Location``). A secret-named parameter whose value is the server's own (a presigned URL's
+    ``X-Amz-Signature``) is that URL's, and goes along: dropped, the URL answered 403."""
     if url.user is not None or url.password is not None:
         url = url.with_user(None)
     if url.query_string:
         keep = [(k, v) for k, v in url.query.items()
-                if not cfg.is_secret_param(k) and cfg.redact(f"{k}={v}") == f"{k}={v}"]
+                if v not in ours and cfg.redact(f"{k}={v}") == f"{k}={v}"]
         if len(keep) != len(url.query):
             url = url.with_query(keep)
     return url

@@ -584,6 +584,27 @@ async def test_cross_origin_redirect_with_any_drops_credentials(
     assert server.hits[0][1]["X-Api-Key"] == KEY  # the first hop did carry it
 
 
+async def test_cross_origin_redirect_keeps_the_new_url_s_own_signature(
+    server: Server, other: Server, session: aiohttp.ClientSession
+) -> None:
+    """An API that redirects to a presigned URL on another origin (S3, GCS): its
+    ``X-Amz-Signature``, credential and token are that URL's own and go along; they were
+    dropped for their names, and the URL answered 403 (each ID given up). What the request
+    itself carried (a literal key in its query, echoed back under any name) is still
+    dropped."""
+    to = (other.base + "/items/obj?X-Amz-Signature=srvsig99&X-Amz-Credential=AKIAEX&"
+          "token=srvtok&page=2&api_key=ours-literal-123&echo=ours-literal-123&auth=tok-abcdef")
+    headers = {**HEADERS, "Authorization": "Bearer tok-abcdef"}
+    a = await attempt(session, redirect_url(server, to) + "&api_key=ours-literal-123", "x",
+                      follow_redirects="any", headers=headers)
+    assert a.outcome is Outcome.OK, a
+    assert "ours-literal-123" in server.hits[0][0]  # the first hop did carry it
+    (landed,) = other.hits
+    query = landed[0].split("?", 1)[1]
+    assert query == "X-Amz-Signature=srvsig99&X-Amz-Credential=AKIAEX&token=srvtok&page=2"
+    assert "Authorization" not in landed[1] and KEY not in str(landed)
+
+
 async def test_cross_origin_redirect_drops_env_secrets_in_any_header(
     server: Server, other: Server, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
