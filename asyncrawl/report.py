@@ -365,7 +365,7 @@ def _synced_meanwhile(fd: int, every: float = 0.25) -> Iterator[None]:
 
 
 _MISSING = object()
-LOOKAHEAD = 100  # records a --fields name is looked for in before it is called unknown
+LOOKAHEAD = 100  # records CSV takes its columns from; a --fields name not in them is warned of
 
 
 def _get(row: dict[str, Any], name: str) -> Any:
@@ -388,23 +388,45 @@ def _get(row: dict[str, Any], name: str) -> Any:
 
 def _check_fields(records: Iterator[dict[str, Any]], fields: list[str],
                   row_of: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """``records`` again, once every field was found in one of the first ``LOOKAHEAD`` rows:
-    a misspelt column is an error, not an empty column."""
+    """``records`` again, each looked at for the ``fields`` not yet found in one: a misspelt
+    column is an error, not an empty column. The first ``LOOKAHEAD`` records are looked at
+    before any is written (an export of fewer fails before it writes anything); a field still
+    missing after them is warned of, and an error once every record has gone by (``-o`` then
+    leaves no file): a field that only later records have is exported (the warning for CSV's
+    own columns tells one to name it; it was refused)."""
     head: list[dict[str, Any]] = []  # held only until every field has shown up (usually 1)
     missing = list(fields)
     first: dict[str, Any] | None = None
-    for rec in itertools.islice(records, LOOKAHEAD):
-        head.append(rec)
+
+    def look(rec: dict[str, Any]) -> None:
+        nonlocal missing, first
         row = row_of(rec)
         first = first or row
         missing = [name for name in missing if _get(row, name) is _MISSING]
+
+    def unknown() -> ConfigError:
+        assert first is not None
+        return ConfigError(f"--fields: {missing[0]!r} is in none of the records (the first has: "
+                           f"{', '.join(first)}; use a dotted path such as author.name for a "
+                           "nested field)")
+
+    for rec in itertools.islice(records, LOOKAHEAD):
+        head.append(rec)
+        look(rec)
         if not missing:
             break
+    if missing and first is not None and len(head) < LOOKAHEAD:  # (every record looked at)
+        raise unknown()
     if missing and first is not None:
-        raise ConfigError(f"--fields: {missing[0]!r} is in none of the first {len(head):,} records "
-                          f"(they have: {', '.join(first)}; use a dotted path such as "
-                          "author.name for a nested field)")
-    return itertools.chain(head, records)
+        log.warning("--fields: %r is in none of the first %s records; the export goes on (an "
+                    "error at its end if no record has it)", missing[0], f"{LOOKAHEAD:,}")
+    yield from head
+    for rec in records:
+        if missing:
+            look(rec)
+        yield rec
+    if missing and first is not None:
+        raise unknown()
 
 
 def _write(records: Iterator[dict[str, Any]], outcome: str, fmt: str,

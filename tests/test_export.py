@@ -179,6 +179,35 @@ def test_csv_says_when_fields_past_the_first_records_are_left_out(
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_fields_that_only_later_records_have_can_be_named(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: str) -> None:
+    """CSV's warning says to name a field its columns left out with ``--fields``; named, it
+    was refused ("in none of the first 100 records"). Now it is exported (warned of at the
+    101st record); a name no record has is still an error, at the end, and ``-o`` then
+    leaves no file."""
+    from asyncrawl.report import LOOKAHEAD
+
+    bodies = {f"k{i:03d}": b'{"a": 1}' for i in range(LOOKAHEAD)} | {"late": b'{"a": 1, "b": 2}'}
+    cfg = _raw_state(tmp_path, bodies)
+    out = tmp_path / f"x.{fmt}"
+    with caplog.at_level("WARNING", logger="asyncrawl"):
+        assert export(cfg, fmt=fmt, fields=["b"], path=str(out)) == LOOKAHEAD + 1
+    assert "'b' is in none of the first 100 records; the export goes on" in caplog.text
+    if fmt == "csv":
+        rows = list(csv.reader(io.StringIO(out.read_text())))
+    else:
+        pq = pytest.importorskip("pyarrow.parquet", reason="the 'parquet' extra is not installed")
+        table = pq.read_table(out).to_pylist()
+        rows = [["id", "b"], *([r["id"], "" if r["b"] is None else str(r["b"])] for r in table)]
+    assert rows[0] == ["id", "b"] and {r[0]: r[1] for r in rows[1:]}["late"] == "2"
+    assert sum(1 for r in rows[1:] if r[1] == "") == LOOKAHEAD
+    out.unlink()
+    with pytest.raises(ConfigError, match="'nope' is in none of the records"):
+        export(cfg, fmt=fmt, fields=["nope"], path=str(out))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_a_payload_field_named_data_id_beside_its_own_id_keeps_its_value(
         tmp_path: Path, fmt: str) -> None:
     """The payload's ``id`` is the column ``data.id``: a field of that very name lost its value
