@@ -231,6 +231,8 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bo
     ``need_env=False`` for commands that only read the state: they never need the secrets;
     ``need_url=False`` for those that read nothing else (``Config.load``)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if getattr(args, "state", None) == "":  # (taken for no --state: ./state used instead)
+        raise ConfigError("is empty: give a directory (or a postgresql:// URL)", key="--state")
     local = bool(getattr(args, "state", None)) and not is_url(args.state)
     if getattr(args, "state", None):
         overrides["state_url" if not local else "state_dir"] = args.state
@@ -252,17 +254,22 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bo
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
     secrets: set[str] = set()
-    headers = _headers(args.header, secrets, need_env=not args.dry_run)
+    need_env = not args.dry_run
+    headers = _headers(args.header, secrets, need_env=need_env)
+
+    def env(value: Any, flag: str) -> Any:  # ``${NAME}`` in a flag, as in the config's keys
+        return None if value is None else expand_env(value, flag, None, secrets, need_env)
+
     return {
-        "ids": args.ids, "url": args.url, "concurrency": args.concurrency, "rate": args.rate,
+        "ids": args.ids, "url": env(args.url, "--url"), "concurrency": args.concurrency,
+        "rate": args.rate,
         "burst": args.burst, "max_tries": args.max_tries, "timeout": args.timeout,
         "second_pass": False if args.no_second_pass else None, "cooldown": args.cooldown,
         "max_requests": args.max_requests, "verify_tls": False if args.insecure else None,
         "reuse_state": True if args.reuse_state else None,
         "recheck_unavailable": True if args.recheck_unavailable else None,
-        "method": args.method, "json": _json_flag(args.json_body), "body": args.data,
-        "proxy": args.proxy and expand_env(args.proxy, "--proxy", None, secrets,
-                                           need_env=not args.dry_run),
+        "method": args.method, "json": env(_json_flag(args.json_body), "--json"),
+        "body": env(args.data, "--data"), "proxy": args.proxy and env(args.proxy, "--proxy"),
         "_headers": headers, "_secrets": secrets,
     }
 

@@ -860,6 +860,39 @@ def test_recheck_unavailable_tries_the_unavailable_ids_again_and_nothing_else(
 # -- 8. secrets --------------------------------------------------------------------------------
 
 
+def test_url_data_and_json_flags_read_env_references_as_the_config_does(
+        tmp_path: Path, mock_process: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--url '...?api_key=${KEY}'`` was refused ("the only placeholder allowed is {id}"),
+    and ``--data 'token=${TOK}'`` sent the text ``${TOK}`` itself, where the config's keys,
+    ``-H`` and ``--proxy`` read the environment. Now each reads it, and the value is a secret:
+    never printed."""
+    from asyncrawl.cli import _config_for_run, build_parser
+
+    key = "sk-flag-" + secrets.token_hex(8)
+    mock = mock_process("--no-auth", "--faults", "none")  # (its key goes in a header only)
+    ids = write_ids(tmp_path / "ids.txt", ["u1", "u2"])
+    r = cli("run", "--url", mock.item_url + "?api_key=${ASYNCRAWL_TEST_KEY}", "--ids", str(ids),
+            "--state", str(tmp_path / "state"), "--no-progress",
+            env={"ASYNCRAWL_TEST_KEY": key}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert key not in r.stdout + r.stderr and "2" in r.stdout
+    args = build_parser().parse_args([
+        "run", "--url", "http://api.example/{id}", "-X", "POST",
+        "--data", "token=${ASYNCRAWL_TEST_KEY}&id={id}"])
+    monkeypatch.setenv("ASYNCRAWL_TEST_KEY", key)
+    monkeypatch.chdir(tmp_path)  # (no ./config.toml)
+    cfg = _config_for_run(args)
+    assert cfg.body == f"token={key}&id={{id}}" and key in cfg.secrets
+    args = build_parser().parse_args([
+        "run", "--url", "http://api.example/{id}", "-X", "POST",
+        "--json", '{"auth": {"key": "${ASYNCRAWL_TEST_KEY}"}, "id": "{id}"}'])
+    cfg = _config_for_run(args)
+    assert cfg.json == {"auth": {"key": key}, "id": "{id}"} and key in cfg.secrets
+    r = cli("run", "--url", "http://api.example/{id}", "--ids", str(ids), "--state", "",
+            cwd=tmp_path)
+    assert r.returncode == 2 and "--state" in r.stderr and "empty" in r.stderr, r.stderr
+
+
 def test_the_key_is_never_written_anywhere(tmp_path: Path, mock_process: Any) -> None:
     key = "sk-live-" + secrets.token_hex(16)
     env = {"ASYNCRAWL_TEST_KEY": key}
