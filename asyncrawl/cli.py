@@ -384,11 +384,41 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
     except OSError as e:  # (a missing directory, a directory, no permission: before any work)
         raise ConfigError(f"cannot open {log_file}: {e.strerror or e}", key="--log-file") from None
     handler.setFormatter(_JsonFormatter(config) if fmt == "json"
-                         else logging.Formatter("asyncrawl: %(levelname)s: %(message)s"))
+                         else logging.Formatter(PLAIN))
     handler.addFilter(_Redact(config))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
+    for early in [h for h in log.handlers if h.name == EARLY]:  # (``main``'s: now this one's)
+        log.removeHandler(early)
+        held = getattr(early, "buffer", [])
+        for record in held:
+            handler.handle(record)
+        held.clear()
+    return handler
+
+
+EARLY = "asyncrawl-early"  # what logs before a command's own logging: ``main``, ``setup_logging``
+PLAIN = "asyncrawl: %(levelname)s: %(message)s"
+
+
+def _early_logging(command: str) -> logging.Handler:
+    """What the package logs before the command has set up its own logging (the config's
+    load: a removed key's warning): for ``run`` and ``demo``, held for ``setup_logging``, to
+    go where their log goes (``--log-file``, ``--log-format json``); for the others, to stderr
+    as their lines. It went to Python's last-resort handler: stderr, without the prefix,
+    past the log file and its format."""
+    if command in ("run", "demo"):
+        from logging.handlers import BufferingHandler
+
+        handler: logging.Handler = BufferingHandler(10_000)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(PLAIN))
+    handler.name = EARLY
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
     return handler
 
 
@@ -929,6 +959,7 @@ def _stdout_gone() -> None:
 def main(argv: list[str] | None = None) -> int:
     _standard_fds()
     args = build_parser().parse_args(argv)
+    early = _early_logging(args.command)
     try:
         return COMMANDS[args.command](args)
     except AsyncrawlError as e:  # (a URL's password quoted in it: one the config could not read)
@@ -944,3 +975,8 @@ def main(argv: list[str] | None = None) -> int:
         print("asyncrawl: internal error (a bug, please report it with the traceback above); "
               "what was recorded is safe: rerun to resume", file=sys.stderr)
         return 1
+    finally:
+        log.removeHandler(early)
+        plain = logging.Formatter(PLAIN)
+        for record in getattr(early, "buffer", ()):  # (the command stopped before its logging)
+            print(plain.format(record), file=sys.stderr)

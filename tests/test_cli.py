@@ -893,6 +893,31 @@ def test_url_data_and_json_flags_read_env_references_as_the_config_does(
     assert r.returncode == 2 and "--state" in r.stderr and "empty" in r.stderr, r.stderr
 
 
+def test_a_removed_key_s_warning_goes_where_the_log_goes(tmp_path: Path,
+                                                        mock_process: Any) -> None:
+    """The config's load logs before the command's logging is set up: a removed key's warning
+    went to Python's last-resort handler (stderr, without the ``asyncrawl: WARNING:`` prefix,
+    past ``--log-file`` and ``--log-format json``). Now ``run`` logs it as it logs the rest;
+    ``status`` says it on stderr as its own lines; a run that stops on an error still says it."""
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
+                       write_ids(tmp_path / "ids.txt", ["r1"]))
+    cfg.write_text(cfg.read_text().replace("[limits]\n", "[limits]\nretry_budget = 3\n"))
+    assert "retry_budget" in cfg.read_text()
+    log_file = tmp_path / "run.log"
+    r = cli("run", "-c", str(cfg), "--no-progress", "--log-file", str(log_file),
+            "--log-format", "json", env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "retry_budget" not in r.stderr
+    (said,) = [json.loads(line) for line in log_file.read_text().splitlines()
+               if "retry_budget" in line]
+    assert said["level"] == "warning" and "is ignored (removed" in said["msg"]
+    r = cli("status", "-c", str(cfg), env=ENV, cwd=tmp_path)
+    assert r.returncode == 0 and "asyncrawl: WARNING:" in r.stderr and "retry_budget" in r.stderr
+    r = cli("run", "-c", str(cfg), "--ids", str(tmp_path / "missing.txt"), env=ENV, cwd=tmp_path)
+    assert r.returncode == 2 and "asyncrawl: WARNING:" in r.stderr and "retry_budget" in r.stderr
+
+
 def test_the_key_is_never_written_anywhere(tmp_path: Path, mock_process: Any) -> None:
     key = "sk-live-" + secrets.token_hex(16)
     env = {"ASYNCRAWL_TEST_KEY": key}
