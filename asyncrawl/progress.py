@@ -313,7 +313,8 @@ def halt_text(h: Halt) -> tuple[str, str]:
                     "top up, then rerun the same command: nothing is fetched twice")
         if h.status == 401:
             return ("HTTP 401 the API key was refused (Unauthorized)",
-                    "fix the key ([request.headers] or -H), then rerun the same command")
+                    "fix the key (where the config puts it: [request.headers] or -H, "
+                    "[request.params], [request] keys), then rerun the same command")
         if h.status == 403:
             return ("HTTP 403 forbidden: the key may not use this endpoint",
                     "fix the key's permissions, then rerun the same command")
