@@ -241,8 +241,9 @@ def load_config(args: argparse.Namespace, *, need_env: bool = True, need_url: bo
     path = args.config or ("config.toml" if Path("config.toml").is_file() else None)
     if path is None:
         if "url" not in overrides:
-            if overrides.keys() <= {"state_dir", "state_url", "job"}:
-                # status/export need only the state
+            if not need_url and overrides.keys() <= {"state_dir", "state_url", "job"}:
+                # status/export need only the state (a run needs its URL: it said "no IDs",
+                # or joined a shared job to fetch from a placeholder URL)
                 return Config(url=UNUSED_URL, **overrides)
             raise ConfigError("no config: pass -c CONFIG, create ./config.toml, or give --url")
         return Config.from_dict({}, **overrides)  # every value is a flag: errors name the flag

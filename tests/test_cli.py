@@ -891,6 +891,9 @@ def test_url_data_and_json_flags_read_env_references_as_the_config_does(
     r = cli("run", "--url", "http://api.example/{id}", "--ids", str(ids), "--state", "",
             cwd=tmp_path)
     assert r.returncode == 2 and "--state" in r.stderr and "empty" in r.stderr, r.stderr
+    for extra in ([], ["--state", "postgresql://127.0.0.1/test", "--job", "j"]):
+        r = cli("run", *extra, cwd=tmp_path)  # no config, no --url: says so (not "no IDs")
+        assert r.returncode == 2 and "no config" in r.stderr, r.stderr
 
 
 def test_a_removed_key_s_warning_goes_where_the_log_goes(tmp_path: Path,
