@@ -127,6 +127,11 @@ class StorageError(AsyncrawlError):
         super().__init__(f"{self.path}: {message}" if self.path else message)
 
 
+class RunEndedError(StorageError):
+    """This run of a shared job was ended by the others (held up past its lease, it was taken
+    for dead): nothing it does counts any more, however well the database answers."""
+
+
 def output_error(e: OSError, path: Path | str) -> AsyncrawlError:
     """The error for an export file that cannot be made at ``path``: the flag's fault (a
     directory that does not exist, no permission: exit 2), else the disk's (exit 5)."""

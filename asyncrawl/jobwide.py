@@ -30,7 +30,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
-from .errors import StorageError
+from .errors import RunEndedError, StorageError
 from .governor import Governor
 from .pgstore import BREAKER_HOLD, HEARTBEAT, Claimed, PgStore
 from .source import IdsFile
@@ -168,15 +168,32 @@ class Heartbeat:
         self._breaker_published = False
 
     async def run(self) -> None:
-        """Until cancelled, or the database fails (then the run stops: exit 5)."""
+        """Until cancelled, or the database fails (then the run stops: exit 5): at once if the
+        job ended this run (taken for dead), else once no beat has gone through for a lease
+        (its leases are others' by then). A beat that fails before (a connection the server
+        ended: the next beat opens another) is tried again: one lost connection stopped a
+        healthy run."""
         loop = asyncio.get_running_loop()
-        try:
-            while True:
+        last = loop.time()  # of the last beat that went through
+        failing = False
+        while True:
+            try:
                 await self.beat(loop.time())
-                await asyncio.sleep(HEARTBEAT)
-        except StorageError as e:
-            if not self.stop.is_set():
-                self.stop.set(Halt("storage", None, str(e)))
+                last = loop.time()
+                if failing:
+                    failing = False
+                    log.info("the job's heartbeat goes through again")
+            except StorageError as e:
+                if isinstance(e, RunEndedError) or loop.time() - last >= self.store.lease:
+                    if not self.stop.is_set():
+                        self.stop.set(Halt("storage", None, str(e)))
+                    return
+                if not failing:
+                    failing = True
+                    log.warning("the job's heartbeat failed (%s); trying again (this process "
+                                "stops if none goes through for %gs, its lease)", e,
+                                self.store.lease)
+            await asyncio.sleep(HEARTBEAT)
 
     async def publish(self) -> None:
         """Publish this run's job-wide halt, once (a halt that came from another run is not

@@ -428,6 +428,61 @@ def test_kill_9_of_one_process_loses_nothing_and_its_leases_return(
     assert snap.in_doubt + snap.billed_twice >= len(twice)
 
 
+def test_a_connection_to_a_server_gone_silent_fails_in_seconds() -> None:
+    """A network cut that drops packets (a host gone, a firewall): libpq's connection waited
+    for TCP to give up, ~15 min while sending and for ever while idle, the run hung (a stalled
+    store). Each connection now probes an idle server after 5 s and gives up on unacknowledged
+    data after 20 s (the socket's options, as the kernel has them)."""
+    import socket
+
+    from asyncrawl.pgstore import _connect
+
+    for run in (True, False):
+        db = _connect(PG, "test", run)
+        try:
+            s = socket.socket(fileno=db.pgconn.socket)
+            try:
+                assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+                assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20_000
+            finally:
+                s.detach()
+        finally:
+            db.close()
+
+
+def test_a_heartbeat_connection_the_server_ends_is_opened_again_not_a_halt(
+        tmp_path: Path, job: str, mock_process: Any) -> None:
+    """The server ends the run's heartbeat connection (an administrator, a pooler, a failover):
+    the next beat opens another and the run finishes. The first failed beat stopped the run,
+    exit 5, though the database answered. A heartbeat that fails for a whole lease still stops
+    it (the cool-down test above)."""
+    n = 1500
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = write_ids(tmp_path / "ids.txt", [f"h{i}" for i in range(n)])
+    cfg = _config(tmp_path, mock.item_url, job, ids, limits={"concurrency": 8, "rate": 400})
+    since = pg_rows("SELECT now()")[0][0]
+    run = _run(cfg)
+    _wait_for(lambda: pg_rows("SELECT count(*) FROM asyncrawl_items WHERE job = %s AND "
+                              "state = 'ok'", job)[0][0] >= 200, 60, "200 IDs ok")
+    ended: set[int] = set()
+    for _ in range(3):  # (the connection is the heartbeat's and the live figures': the
+        # heartbeat, every 0.3 s, is the likelier to meet the ended one first)
+        def control() -> list[tuple[Any, ...]]:
+            return [row for row in pg_rows(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'asyncrawl control' "
+                "AND backend_start >= %s", since) if row[0] not in ended]
+        _wait_for(control, 30, "the run's control connection (made again)")
+        (pid,), = control()
+        assert pg_rows("SELECT pg_terminate_backend(%s)", pid) == [(True,)]
+        ended.add(pid)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, (out, err)
+    if "the job's heartbeat failed" in err:
+        assert "goes through again" in err
+    assert read_store(PG, job=job).snapshot().counts == Counts(ok=n, failed=0, unavailable=0)
+
+
 def test_a_process_stopped_by_a_signal_does_not_halt_the_job_the_others_finish(
         tmp_path: Path, job: str, mock_process: Any) -> None:
     """The job's halt (``status``) is the one of the run that ended last: a process stopped
