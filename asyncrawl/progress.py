@@ -325,7 +325,11 @@ def halt_text(h: Halt) -> tuple[str, str]:
         return (h.message or "request budget reached",
                 "raise --max-requests or [billing] max_spend, then rerun the same command "
                 "to go on: nothing is fetched twice")
-    if h.reason == "storage" and "PostgreSQL" in h.message:  # (pgstore's errors say so)
+    if h.reason == "storage" and "held up past its lease" in h.message:  # (RunEndedError)
+        return (f"the job went on without this process: {h.message}",
+                "rerun the same command to resume: what was committed is kept")
+    if h.reason == "storage" and ("PostgreSQL" in h.message  # (pgstore's errors say so)
+                                  or h.message.startswith(("postgresql://", "postgres://"))):
         return (f"the job's database failed: {h.message}",
                 "once the database answers again, rerun the same command: what was committed "
                 "is kept")

@@ -1598,7 +1598,9 @@ def test_a_run_taken_for_dead_by_the_next_generation_stops_at_its_heartbeat(job:
     and the job's halts were of another generation: it waited for ever, a zombie."""
     import psycopg
 
-    from asyncrawl.errors import StorageError
+    from asyncrawl.errors import RunEndedError
+    from asyncrawl.progress import halt_text
+    from asyncrawl.types import Halt
 
     async def go() -> None:
         a = await _run_of(job, 1)
@@ -1609,8 +1611,11 @@ def test_a_run_taken_for_dead_by_the_next_generation_stops_at_its_heartbeat(job:
         try:
             assert b._gen == a._gen + 1
             await b.heartbeat(False)  # (b's own goes on)
-            with pytest.raises(StorageError, match="held up past its lease"):
+            with pytest.raises(RunEndedError, match="held up past its lease") as e:
                 await a.heartbeat(False)
+            # (its summary's words: not "local storage failure ... free space")
+            what, then = halt_text(Halt("storage", None, str(e.value)))
+            assert what.startswith("the job went on without this process") and "rerun" in then
         finally:
             await a.close()
             await b.close()
