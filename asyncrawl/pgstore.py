@@ -128,6 +128,9 @@ _PASS = {
 JOB_TABLES = ("asyncrawl_items", "asyncrawl_blocks", "asyncrawl_runs", "asyncrawl_ledger",
               "asyncrawl_key_ledger", "asyncrawl_jobs")
 NOW = "extract(epoch from clock_timestamp())::float8"
+# an item's ``sent_run`` is not a live run: it ended, or its heartbeat is older than ``LIVE``
+_DEAD_RUN = (f"sent_run NOT IN (SELECT run FROM asyncrawl_runs WHERE job = %(job)s AND ended "
+             f"IS NULL AND heartbeat > {NOW} - %(live)s)")
 OPEN = "(state IS NULL OR state IN ('failed', 'perm'))"  # rows of the asyncrawl_items_open index
 BLOCK = 10_000  # IDs in a block of a merge: a row of asyncrawl_blocks, taken in at once
 TAKE_IN_FOR = 1.0  # seconds a claim may spend taking in blocks before it answers
@@ -1166,14 +1169,17 @@ class PgStore:
                     "WHERE job = %s AND doubt IS NOT NULL GROUP BY doubt", (self.job_name,)):
                 doubt[value], unsure = n, unsure + int(calls or 0)
             live = self._runs_alive(db, LIVE)
-            # the calls of the open intents not in doubt: in flight, or answered and to be
-            # tried again
-            open_doubt = f"count(*) FILTER (WHERE {UNANSWERED_CALL})" if has else "count(*)"
+            # the calls of the open intents not in doubt: in flight (a live run's), or answered
+            # and to be tried again; a dead run's are in doubt, whatever the other runs do
+            dead = _DEAD_RUN
+            open_doubt = (f"count(*) FILTER (WHERE {UNANSWERED_CALL} AND {dead})" if has
+                          else f"count(*) FILTER (WHERE {dead})")
+            job_live = {"job": self.job_name, "live": LIVE}
             open_sent, open_unanswered, open_lost, open_doubtful = db.execute(
-                "SELECT count(*), count(*) FILTER (WHERE doubt = 2), "
-                f"coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0), {open_doubt} "
-                f"FROM asyncrawl_items WHERE job = %s AND {OPEN} AND sent_run IS NOT NULL "
-                f"AND {NOT_IN_DOUBT}", (self.job_name,)).fetchone()
+                f"SELECT count(*) FILTER (WHERE NOT {dead}), count(*) FILTER (WHERE doubt = 2 "
+                f"AND {dead}), coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0), "
+                f"{open_doubt} FROM asyncrawl_items WHERE job = %(job)s AND {OPEN} AND "
+                f"sent_run IS NOT NULL AND {NOT_IN_DOUBT}", job_live).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
             # the job's halt is the one of the run that ended last: a process stopped by a
@@ -1186,17 +1192,21 @@ class PgStore:
         counts = Counts(ok=by.get("ok", 0), failed=by.get("failed", 0) + by.get("perm", 0),
                         unavailable=by.get("unavailable", 0))
         return Snapshot(counts=counts, sent=int(sent),
-                        in_doubt=doubt.get(0, 0) + (open_doubtful if not live else 0),
-                        billed_twice=doubt.get(1, 0), in_flight=open_sent if live else 0,
+                        in_doubt=doubt.get(0, 0) + open_doubtful,
+                        billed_twice=doubt.get(1, 0), in_flight=open_sent,
                         runs=runs, halt=halt, job=self.job, running=live or None,
                         ledger=tuple(ledger), keys=keys,
-                        unanswered=doubt.get(2, 0) - (open_unanswered if not live else 0),
+                        unanswered=doubt.get(2, 0) - open_unanswered,
                         unanswered_refetched=doubt.get(3, 0),
                         unsure_calls=unsure + int(open_lost))
 
     def _dead_open(self, db: Any) -> str:
-        """A dead run's open intents that are in doubt (a job of an earlier release: all)."""
-        return f"{OPEN} AND sent_run IS NOT NULL" + (
+        """A dead run's open intents that are in doubt (a job of an earlier release: all):
+        those of a run that has ended or has not sent its heartbeat for ``LIVE`` s, whatever
+        the job's other runs do (a job-wide "any run live" left a killed run's out of the
+        list while another went on, until its leases ran out). Takes ``%(job)s`` and
+        ``%(live)s``."""
+        return f"{OPEN} AND sent_run IS NOT NULL AND {_DEAD_RUN}" + (
             f" AND {UNANSWERED_CALL}" if self._has_answered(db) else "")
 
     def _has_answered(self, db: Any) -> bool:
@@ -1242,21 +1252,18 @@ class PgStore:
 
     def in_doubt(self) -> Iterator[tuple[str, bool]]:
         with self._db("control", "read the job") as db:
-            live = self._runs_alive(db, LIVE)
-            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND (doubt IN (0, 1)"
-            if not live:
-                query += f" OR ({self._dead_open(db)})"
-            rows = db.execute(query + ") ORDER BY id", (self.job_name,)).fetchall()
+            rows = db.execute("SELECT id, doubt FROM asyncrawl_items WHERE job = %(job)s AND "
+                              f"(doubt IN (0, 1) OR ({self._dead_open(db)})) ORDER BY id",
+                              {"job": self.job_name, "live": LIVE}).fetchall()
         for item, doubt in rows:
             yield item, doubt == 1
 
     def unanswered(self) -> Iterator[tuple[str, bool]]:
         with self._db("control", "read the job") as db:
-            live = self._runs_alive(db, LIVE)
-            query = "SELECT id, doubt FROM asyncrawl_items WHERE job = %s AND doubt IN (2, 3)"
-            if not live:  # (a dead run's open intents are in doubt instead)
-                query += f" AND NOT ({self._dead_open(db)})"
-            rows = db.execute(query + " ORDER BY id", (self.job_name,)).fetchall()
+            # (a dead run's open intents are in doubt instead)
+            rows = db.execute("SELECT id, doubt FROM asyncrawl_items WHERE job = %(job)s AND "
+                              f"doubt IN (2, 3) AND NOT ({self._dead_open(db)}) ORDER BY id",
+                              {"job": self.job_name, "live": LIVE}).fetchall()
         for item, doubt in rows:
             yield item, doubt == 3
 

@@ -1162,6 +1162,41 @@ async def _run_of(job: str, pid: int, cooldown: float = 0.0) -> Any:
     return store
 
 
+def test_a_dead_run_s_open_intents_are_in_doubt_while_another_run_goes_on(job: str) -> None:
+    """Run a is killed with a request out; run b goes on. a's open intent was left out of the
+    in-doubt list (and counted in flight) for as long as any run of the job was live: right
+    after a kill of them all (the last heartbeats still fresh), or while b worked, until a's
+    lease ran out and b took the ID. Now a run's own heartbeat decides."""
+    import psycopg
+
+    from asyncrawl.records import Record
+
+    async def go() -> None:
+        a, b = await _run_of(job, 1), await _run_of(job, 2)
+        try:
+            await a.merge(["x", "y"])
+            a.commit([Record.sent("x")])  # a's request out
+            b.commit([Record.sent("y")])  # b's, in flight
+            await a.heartbeat(False)
+            await b.heartbeat(False)
+            snap = read_store(PG, job=job).snapshot()
+            assert (snap.in_doubt, snap.in_flight) == (0, 2)  # both live: both in flight
+            with psycopg.connect(PG, autocommit=True) as db:  # a killed: no heartbeat since
+                db.execute("UPDATE asyncrawl_runs SET heartbeat = heartbeat - 3600 "
+                           "WHERE run = %s", (a._run,))
+            await b.heartbeat(False)  # (b goes on)
+            reader = read_store(PG, job=job)
+            assert [i for i, _ in reader.in_doubt()] == ["x"]
+            assert [i for i, _ in reader.unanswered()] == []
+            snap = reader.snapshot()
+            assert (snap.in_doubt, snap.in_flight, snap.running) == (1, 1, 1)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
 def test_an_intent_after_its_id_s_outcome_in_one_batch_stays_open(job: str) -> None:
     """As in the SQLite store (test_store.py): the later record of a batch wins."""
     from asyncrawl.records import Record
