@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import contextlib
 import contextvars
 import enum
 import errno
@@ -57,7 +58,14 @@ from yarl import URL
 
 from . import http1
 from .alloc import fix_mmap_threshold
-from .config import _SECRET_PARAM, _TOKEN, DEFAULT_RETRYABLE, Config, _is_http_url
+from .config import (
+    _SECRET_PARAM,
+    _TOKEN,
+    DEFAULT_RETRYABLE,
+    MIN_SECRET_LENGTH,
+    Config,
+    _is_http_url,
+)
 from .errors import ConfigError, SessionClosed
 from .jsontext import parse_json
 from .retry import parse_retry_after
@@ -431,6 +439,7 @@ class Fetcher:
                 # (``hooked`` made its URL a ``URL``: nothing to build again a request)
                 method, url, headers, body = req.method, cast(URL, req.url), req.headers, req.json
             timeout, began = self.timeout, time.monotonic()
+            ours: set[str] | None = None  # the credentials the request carried (hop 0's)
             for hop in range(cfg.max_redirects + 1):
                 if hop:  # (``timeout`` bounds the whole attempt: its hops share it; a hop
                     # with less than a tenth of it left is not sent: its answer, the paid one
@@ -480,7 +489,9 @@ class Fetcher:
                                 return self._broken(item_id, status, answered, e)
                             return self._classify(item_id, status, answered, body,
                                                   head=method == "HEAD")
-                hop_to = self._redirect(status, answered["Location"], url, headers, hop)
+                if ours is None:  # (the request as it was made: a later hop may carry less)
+                    ours = _ours(url, headers, body, data, cfg)
+                hop_to = self._redirect(status, answered["Location"], url, headers, hop, ours)
                 if isinstance(hop_to, Attempt):
                     return hop_to
                 url, headers = hop_to
@@ -526,9 +537,10 @@ class Fetcher:
                            sent_nothing=hop == 0 and not left)
 
     def _redirect(self, status: int, location: str, url: URL, headers: Mapping[str, str],
-                  hop: int) -> Attempt | tuple[URL, Mapping[str, str]]:
+                  hop: int, ours: set[str]) -> Attempt | tuple[URL, Mapping[str, str]]:
         """Where a redirect leads (its URL, and the headers to send there: none secret if to
-        another origin), or the ``Attempt`` that ends here: not followed, too many, invalid."""
+        another origin, nor a query parameter holding one of ``ours``), or the ``Attempt``
+        that ends here: not followed, too many, invalid."""
         cfg = self.config
         # the server's bytes as text that can be stored (not UTF-8: escaped, not surrogates);
         # ``shown``: control characters, a terminal's escapes among them, escaped too
@@ -556,7 +568,7 @@ class Fetcher:
             return Attempt(Outcome.SKIP, status, error=cfg.redact(
                 f"{why}: Location {shown}")[:500], kind=ErrorKind.REDIRECT)
         if not same:  # never carry credentials to another origin (nor its Host)
-            target = _without_credentials(target, cfg, _ours(url, headers, cfg))
+            target = _without_credentials(target, cfg, ours)
             headers = {k: v for k, v in headers.items()
                        if not cfg.is_secret_header(k) and cfg.redact(v) == v
                        and k.lower() != "host"}
@@ -713,14 +725,32 @@ def _unparsable(status: int, body: bytes, cfg: Config) -> str:
     return f"2xx body is not {what}: HTTP {status}, {size} ([response] format = {cfg.response_format})"
 
 
-def _ours(url: URL, headers: Mapping[str, str], cfg: Config) -> set[str]:
-    """The credentials a request to ``url`` with ``headers`` carried as written (a literal key
-    in the URL's query or a secret header, not only ``${ENV}`` values): the values of its
-    secret-named query parameters and headers, and a header's token (``Bearer <token>``)."""
+def _ours(url: URL, headers: Mapping[str, str], body: Any, data: bytes | None,
+          cfg: Config) -> set[str]:
+    """The credentials a request carried as written (a literal key, not only ``${ENV}``
+    values): the values of its secret-named query parameters, form fields and JSON fields
+    (at any depth), and of its secret headers, with a header's token (``Bearer <token>``)."""
     ours = {v for k, v in url.query.items() if cfg.is_secret_param(k)}
     for k, v in headers.items():
         if cfg.is_secret_header(k):
             ours.update((v, v.split()[-1] if v.split() else v))
+    if data:  # (a form body: its fields; any other text has no names to go by)
+        from urllib.parse import parse_qsl
+
+        with contextlib.suppress(ValueError):
+            ours.update(v for k, v in parse_qsl(data.decode("utf-8", "replace"))
+                        if cfg.is_secret_param(k))
+    todo = [body]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(v, str | int) and not isinstance(v, bool) \
+                        and cfg.is_secret_param(str(k)):
+                    ours.add(str(v))
+                todo.append(v)
+        elif isinstance(node, list):
+            todo.extend(node)
     ours.discard("")
     return ours
 
@@ -735,7 +765,8 @@ def _without_credentials(url: URL, cfg: Config, ours: set[str]) -> URL:
         url = url.with_user(None)
     if url.query_string:
         keep = [(k, v) for k, v in url.query.items()
-                if v not in ours and cfg.redact(f"{k}={v}") == f"{k}={v}"]
+                if not (v in ours and (len(v) >= MIN_SECRET_LENGTH or cfg.is_secret_param(k)))
+                and cfg.redact(f"{k}={v}") == f"{k}={v}"]  # (a short one: by its name too)
         if len(keep) != len(url.query):
             url = url.with_query(keep)
     return url

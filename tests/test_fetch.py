@@ -605,6 +605,39 @@ async def test_cross_origin_redirect_keeps_the_new_url_s_own_signature(
     assert "Authorization" not in landed[1] and KEY not in str(landed)
 
 
+async def test_a_key_the_first_request_carried_is_dropped_after_a_same_origin_hop(
+    server: Server, other: Server, session: aiohttp.ClientSession
+) -> None:
+    """A literal key in the URL template, a same-origin hop without it, then a redirect to
+    another origin that echoes it: still dropped (what the request carried, not the hop)."""
+    to = other.base + "/items/obj?api_key=ours-literal-123&page=2"
+    hop = redirect_url(server, to).replace("{id}", "x")
+    a = await attempt(session, redirect_url(server, hop) + "&api_key=ours-literal-123", "x",
+                      follow_redirects="any", headers=HEADERS)
+    assert a.outcome is Outcome.OK, a
+    (landed,) = other.hits
+    assert landed[0] == "/items/obj?page=2"
+
+
+def test_the_credentials_a_request_carried_are_found_in_its_body_too() -> None:
+    """A key written in the JSON body or a form body (no ``${ENV}``) is one of ours: a
+    ``Location`` echoing it to another origin loses it; a short value of ours (``sig=1``)
+    is dropped only under a secret name, not from ``page=1``."""
+    from yarl import URL
+
+    from asyncrawl.fetch import _ours, _without_credentials
+
+    cfg = Config(url="http://api.example/{id}")
+    ours = _ours(URL("http://api.example/x?sig=1&q=a"), {"X-Api-Key": "hdr-key-77"},
+                 {"query": {"api_key": "BODYKEY123", "n": 5}, "list": [{"token": "tok-9"}]},
+                 b"client_secret=form-sec-1&x=y", cfg)
+    assert ours == {"1", "hdr-key-77", "BODYKEY123", "tok-9", "form-sec-1"}
+    target = URL("http://evil.example/p?api_key=BODYKEY123&a=tok-9&b=form-sec-1&c=hdr-key-77"
+                 "&page=1&sig=1&X-Amz-Signature=theirs")
+    assert str(_without_credentials(target, cfg, ours)) == \
+        "http://evil.example/p?page=1&X-Amz-Signature=theirs"
+
+
 async def test_cross_origin_redirect_drops_env_secrets_in_any_header(
     server: Server, other: Server, session: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
