@@ -851,6 +851,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise ConfigError(f"must be at most {MAX_CONCURRENCY:,}, got {args.concurrency:,}",
                           key="--concurrency")
     loop_factory()  # (an ASYNCRAWL_LOOP it cannot have: said before a temporary state is made)
+    if args.state == "":  # (as for the other commands: not taken for no --state)
+        raise ConfigError("is empty: give a directory", key="--state")
     state = args.state or tempfile.mkdtemp(prefix="asyncrawl-demo-")
     ids_file = Path(state) / "demo-ids.txt"
     try:
@@ -964,6 +966,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except AsyncrawlError as e:  # (a URL's password quoted in it: one the config could not read)
+        _said_early(early)  # (what was logged before it, first)
         print(f"asyncrawl: error: {without_credentials(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # before the loop's own handler was installed
@@ -978,6 +981,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         log.removeHandler(early)
-        plain = logging.Formatter(PLAIN)
-        for record in getattr(early, "buffer", ()):  # (the command stopped before its logging)
-            print(plain.format(record), file=sys.stderr)
+        _said_early(early)
+
+
+def _said_early(early: logging.Handler) -> None:
+    """What ``_early_logging`` held, to stderr as the console writes it (the command stopped
+    before its own logging took it over), once."""
+    held = getattr(early, "buffer", [])
+    plain = logging.Formatter(PLAIN)
+    for record in held:
+        print(plain.format(record), file=sys.stderr)
+    held.clear()

@@ -190,11 +190,17 @@ class Crawler:
     def stop(self, reason: str = "signal", *, signum: int | None = None) -> None:
         """Stop the run like SIGINT: no new requests, in-flight ones get the grace period.
         A second call cuts the grace period short. Called while no run is under way, it stops
-        the next run to start (at once: it sends nothing), as a ``run()`` task just created,
-        not yet started, would otherwise crawl on unstopped."""
+        a ``run()`` task created in the same turn of the loop, not yet started (at once: it
+        sends nothing), which would otherwise crawl on unstopped; not a run started later."""
         if signum is not None and (not isinstance(signum, int) or isinstance(signum, bool)):
             raise ConfigError(f"signum must be a signal number, got {signum!r:.40}")
         if not self._live:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # (no loop: no task waits to start)
+                return
+            if not self._asked:  # (a task created before this call starts before this runs)
+                loop.call_soon(self._asked.clear)
             self._asked.append((reason, signum))
         for run in self._live:
             run.request_stop(reason, signum)

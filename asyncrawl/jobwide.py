@@ -32,7 +32,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from .errors import RunEndedError, StorageError
 from .governor import Governor
-from .pgstore import BREAKER_HOLD, HEARTBEAT, Claimed, PgStore
+from .pgstore import BREAKER_HOLD, HEARTBEAT, LIVE, Claimed, PgStore
 from .source import IdsFile
 from .stop import Stop
 from .types import Halt
@@ -169,11 +169,13 @@ class Heartbeat:
 
     async def run(self) -> None:
         """Until cancelled, or the database fails (then the run stops: exit 5): at once if the
-        job ended this run (taken for dead), else once no beat has gone through for a lease
-        (its leases are others' by then). A beat that fails before (a connection the server
-        ended: the next beat opens another) is tried again: one lost connection stopped a
-        healthy run."""
+        job ended this run (taken for dead), else once no beat has gone through for ``LIVE``
+        s (the other runs stop counting it then, and take its share of the rate: it must not
+        send on beside them, nor miss the job's pauses and halts for longer). A beat that
+        fails before (a connection the server ended: the next beat opens another) is tried
+        again: one lost connection stopped a healthy run."""
         loop = asyncio.get_running_loop()
+        patience = min(LIVE, self.store.lease)
         last = loop.time()  # of the last beat that went through
         failing = False
         while True:
@@ -184,15 +186,14 @@ class Heartbeat:
                     failing = False
                     log.info("the job's heartbeat goes through again")
             except StorageError as e:
-                if isinstance(e, RunEndedError) or loop.time() - last >= self.store.lease:
+                if isinstance(e, RunEndedError) or loop.time() - last >= patience:
                     if not self.stop.is_set():
                         self.stop.set(Halt("storage", None, str(e)))
                     return
                 if not failing:
                     failing = True
                     log.warning("the job's heartbeat failed (%s); trying again (this process "
-                                "stops if none goes through for %gs, its lease)", e,
-                                self.store.lease)
+                                "stops if none goes through for %gs)", e, patience)
             await asyncio.sleep(HEARTBEAT)
 
     async def publish(self) -> None:

@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import re
 import socket
 import threading
@@ -1286,9 +1287,11 @@ def _connect(url: str, name: str, run: bool) -> Any:
     transaction for ``IDLE_IN_TRANSACTION`` s (none of its transactions waits between its
     statements): a process stopped there (a paused VM, SIGSTOP) would otherwise keep the row
     locks of its transaction, and every other process of the job would wait for those IDs
-    (or, for the job's row, with their heartbeats) for as long as it stays stopped."""
+    (or, for the job's row, with their heartbeats) for as long as it stays stopped. Named
+    ``asyncrawl <name> <pid>`` in ``pg_stat_activity``: which process of which machine's is
+    which (with ``client_addr``)."""
     db = _psycopg().connect(url, autocommit=True, connect_timeout=10,
-                            application_name=f"asyncrawl {name}", **KEEPALIVE)
+                            application_name=f"asyncrawl {name} {os.getpid()}", **KEEPALIVE)
     if run:
         db.execute("SET idle_in_transaction_session_timeout = "
                    f"{int(IDLE_IN_TRANSACTION * 1000)}")

@@ -48,12 +48,20 @@ async def in_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)`` in the loop's default executor, run to its end: cancelled
     meanwhile, this waits for it (a thread cannot be stopped; a call still queued behind the
     application's own would be dropped, never run: a store's ``close`` that never ran left the
-    state locked, its writing process alive) and then raises the cancellation."""
+    state locked, its writing process alive) and then raises the cancellation. Cancelled
+    again, it stops waiting (a call stuck on a server that never answers is not waited for
+    for ever), and the call still runs, to its end, in its thread."""
     done = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+    done.add_done_callback(_retrieved)
     try:
         return await asyncio.shield(done)
     except asyncio.CancelledError:
-        while not done.done():  # (cancelled again: still wait for it)
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait([done])
+        if not done.done():
+            await asyncio.wait([done])  # (a second cancellation: raised from here)
         raise
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Its outcome looked at: one nobody waits for any more is not logged as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()

@@ -919,6 +919,9 @@ def test_a_removed_key_s_warning_goes_where_the_log_goes(tmp_path: Path,
     assert r.returncode == 0 and "asyncrawl: WARNING:" in r.stderr and "retry_budget" in r.stderr
     r = cli("run", "-c", str(cfg), "--ids", str(tmp_path / "missing.txt"), env=ENV, cwd=tmp_path)
     assert r.returncode == 2 and "asyncrawl: WARNING:" in r.stderr and "retry_budget" in r.stderr
+    assert r.stderr.index("retry_budget") < r.stderr.index("asyncrawl: error:")  # (in order)
+    r = cli("demo", "--state", "", cwd=tmp_path)  # (as run's: not taken for no --state)
+    assert r.returncode == 2 and "--state" in r.stderr and "empty" in r.stderr, r.stderr
 
 
 def test_the_key_is_never_written_anywhere(tmp_path: Path, mock_process: Any) -> None:

@@ -300,6 +300,10 @@ async def test_a_stop_asked_before_the_run_task_started_stops_it(api: MockAPI,
     assert api.paid() == []
     s = await crawler.run(["s0", "s1"])  # the stop was that run's: the next one crawls
     assert (s.ok, s.halt) == (2, None)
+    crawler.stop()  # a late stop (a second Ctrl-C, a shutdown hook) with no run under way
+    await asyncio.sleep(0)
+    s = await crawler.run(["s2"])  # ... is not the next run's
+    assert (s.ok, s.halt) == (1, None)
 
 
 async def test_cancelled_run_stops_cleanly_and_resumes(state: Path) -> None:
@@ -829,6 +833,33 @@ async def test_finish_waits_for_the_task_then_lets_the_cancellation_through() ->
 
     with pytest.raises(ValueError):
         await _finish(asyncio.create_task(fails()))
+
+
+async def test_in_thread_waits_through_one_cancellation_and_lets_go_at_the_second() -> None:
+    """``tasks.in_thread`` (how a store closes): cancelled once, it waits for its call (which
+    must run: a dropped close left the state locked); cancelled again, it stops waiting (a
+    call stuck on a server that never answers), and the call still runs to its end."""
+    import threading
+
+    from asyncrawl.tasks import in_thread
+
+    gate, ran = threading.Event(), threading.Event()
+
+    def call() -> None:
+        gate.wait(30)
+        ran.set()
+
+    waiter = asyncio.create_task(in_thread(call))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # still waiting for its call
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not ran.is_set()
+    gate.set()
+    assert await asyncio.to_thread(ran.wait, 30)  # (the call ran on, to its end)
 
 
 async def test_finish_of_a_task_cancelled_by_its_owner_keeps_the_caller_s_cancellation() -> None:
