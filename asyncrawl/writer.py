@@ -34,6 +34,10 @@ BACKLOG = 1024
 # held 8 GiB in memory while a store fell behind)
 BACKLOG_BYTES = 64 << 20
 STALL_CHECK = 5.0  # seconds between two looks at whether the store answers (``_check_stall``)
+# ... or once the oldest result sent to the writing process has waited this long to be applied
+# (a database another program holds locked: the ``sent`` intents still went to the intent
+# log, every request went on, and what it bought was lost at a crash, to be bought again)
+APPLY_LAG = 2.0
 
 
 class _Reporting:
@@ -48,6 +52,7 @@ class _Reporting:
         self.on_error = on_error
         self.failed: StorageError | None = None
         self.commits = 0
+        self.applied = 0  # commits of the store itself (not an intent log's): what a stall stops
         self.written = 0
         self.backlog = 0  # records queued, not yet reported (the event loop's thread counts)
         self.backlog_limit = BACKLOG
@@ -65,7 +70,7 @@ class _Reporting:
         ``_check_stall`` in a row (``STALL_CHECK`` s apart: what it warns of), and still
         nothing since the last look, with records still waiting (it may have answered
         since: the next look would say so)."""
-        return self._still >= 2 and self.commits == self._commits_seen and self.backlog > 0
+        return self._still >= 2 and self.applied == self._commits_seen and self.backlog > 0
 
     def behind(self) -> bool:
         """Whether the store is so far behind that no new request should start. Never once
@@ -74,7 +79,12 @@ class _Reporting:
         writer marks itself failed before the loop hears of it); it hears of it from its
         next ``commit`` instead."""
         return self.failed is None and (self.backlog >= self.backlog_limit
-                                        or self.backlog_bytes >= self.bytes_limit)
+                                        or self.backlog_bytes >= self.bytes_limit
+                                        or self._lagging())
+
+    def _lagging(self) -> bool:
+        """Whether what was handed to the store waits too long to be applied (``APPLY_LAG``)."""
+        return False
 
     async def caught_up(self) -> None:
         """Wait until the backlog is down to half the limit (or the writer failed: nothing
@@ -86,7 +96,8 @@ class _Reporting:
 
     def _caught_up(self) -> bool:
         return (self.backlog <= self.backlog_limit // 2
-                and self.backlog_bytes <= self.bytes_limit // 2) or self.failed is not None
+                and self.backlog_bytes <= self.bytes_limit // 2
+                and not self._lagging()) or self.failed is not None
 
     def _queued(self, record: Record) -> None:
         self.backlog += 1
@@ -107,16 +118,18 @@ class _Reporting:
         """Every ``STALL_CHECK`` seconds: say when the store has answered nothing for that long
         (twice in a row) while records wait for it, which stops the run (no request counts,
         and soon none starts) with no other sign; and when it answers again."""
-        seen, stalled = self._commits_seen, self._still >= 2
-        self._still = self._still + 1 if self.commits == seen and self.backlog else 0
-        self._commits_seen = self.commits
+        seen, stalled = self._commits_seen, self._still >= 2  # (the store's own commits:
+        # an intent log that takes the ``sent`` records while the database is locked is no
+        # sign that the results are written)
+        self._still = self._still + 1 if self.applied == seen and self.backlog else 0
+        self._commits_seen = self.applied
         if self._still == 2:
             log.warning("the state store has not answered for %.0f s (%s): no request counts, "
                         "and no new one starts, until it does (a stop waits for it too, but a "
                         "second signal to `asyncrawl run` ends it; `kill -9` of the run is "
                         "safe: what is committed is kept)",
                         STALL_CHECK * self._still, self.stall_hint)
-        elif stalled and not self._still and self.commits > seen and self.failed is None:
+        elif stalled and not self._still and self.applied > seen and self.failed is None:
             log.warning("the state store answers again")
 
     def _count(self, records: list[Record]) -> None:
@@ -338,6 +351,7 @@ class Writer(_Reporting):
         _answer(batch, Commit.DURABLE if durable else Commit.FAILED)
         if durable:
             self._count([e[0] for e in batch])
+            self.applied += 1
 
 
 class Process(Protocol):
@@ -382,7 +396,8 @@ class ProcessWriter(_Reporting):
         self._loop: asyncio.AbstractEventLoop | None = None  # once ``run`` has started
         # batches sent: their logged part until it is, all of them until applied
         self._to_log: collections.deque[tuple[int, list[_Entry]]] = collections.deque()
-        self._to_apply: collections.deque[tuple[int, list[_Entry]]] = collections.deque()
+        # (and when each was sent: ``_lagging``)
+        self._to_apply: collections.deque[tuple[int, list[_Entry], float]] = collections.deque()
         self._closed = False
         self._idle: asyncio.Future[None] | None = None  # closed, and everything answered
 
@@ -455,7 +470,7 @@ class ProcessWriter(_Reporting):
             if logged:
                 self._to_log.append((seq, logged))
                 batch = [e for e in batch if e[0].kind not in self._logged]
-            self._to_apply.append((seq, batch))
+            self._to_apply.append((seq, batch, time.monotonic()))
         self._check_idle()
 
     def _answer(self, answer: tuple[str, int, str | None] | None) -> None:
@@ -468,10 +483,18 @@ class ProcessWriter(_Reporting):
             self._fail(StorageError(error))  # (the message names the path)
             return
         # (it answers "logged" for a batch before "applied")
-        pending = self._to_log if what == "logged" else self._to_apply
-        while pending and pending[0][0] <= seq:
-            self._durable(pending.popleft()[1])
+        if what == "logged":
+            while self._to_log and self._to_log[0][0] <= seq:
+                self._durable(self._to_log.popleft()[1])
+        else:
+            while self._to_apply and self._to_apply[0][0] <= seq:
+                self._durable(self._to_apply.popleft()[1])
+            self.applied += 1  # (one apply: one commit of the database)
+            self._reported([])  # (waiters held by ``_lagging`` alone: no entries to report)
         self._check_idle()
+
+    def _lagging(self) -> bool:
+        return bool(self._to_apply) and time.monotonic() - self._to_apply[0][2] > APPLY_LAG
 
     def _durable(self, entries: list[_Entry]) -> None:
         if not entries:

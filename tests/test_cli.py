@@ -275,6 +275,37 @@ def crash_run(tmp_path: Path, mock_process: Any, threshold: int, n: int = 3000,
             "log_at_kill": log_at_kill}
 
 
+def test_a_state_database_held_locked_by_another_program_holds_new_requests_back(
+        tmp_path: Path, mock_process: Any) -> None:
+    """Another program holds the state's database (``BEGIN EXCLUSIVE``: a user's write in
+    sqlite3): results cannot be applied, only the ``sent`` intents logged. Those logs counted
+    as the store's progress: the run went on sending, and paying, at its full rate (40/s) until
+    1,024 results waited, every one lost at a crash and bought again. Now no new request starts
+    once the oldest result has waited ``APPLY_LAG`` (2 s); the run goes on when the lock goes."""
+    import sqlite3
+
+    mock = mock_process("--api-key", KEY, "--faults", "none", "--latency", "0.05")
+    ids = [f"l{i:04d}" for i in range(400)]
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, state,
+                       write_ids(tmp_path / "ids.txt", ids),
+                       limits={"concurrency": 8, "rate": 40})
+    with reaped(popen_cli(tmp_path, "locked", "run", "-c", str(cfg), "--no-progress")) as proc:
+        wait_until(lambda: ok_count(state) > 40, proc)
+        db = sqlite3.connect(state / "state.db", timeout=30, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+        held = time.time()
+        time.sleep(6)  # (the lock held: the scenario, not a wait for something)
+        db.execute("COMMIT")
+        db.close()
+        assert proc.wait(120) == 0, (tmp_path / "locked.err").read_text()
+    starts = [e.t - held for e in read_log(mock.log_path) if e.event == "start"]
+    # from 2 s of lag (plus an answer's way) to the lock's end, nothing new was sent
+    assert [t for t in starts if 3.0 < t < 6.0] == []
+    assert len([t for t in starts if t < 0]) < len(ids)  # (the run was not over before)
+    assert durable_ok_ids(state) == set(ids)
+
+
 def test_the_writing_process_ignores_the_working_directory(tmp_path: Path,
                                                           mock_process: Any) -> None:
     """A run started in a directory that holds an ``asyncrawl`` folder and a ``queue.py`` of

@@ -1337,7 +1337,9 @@ def test_a_store_that_answers_again_is_not_stalled_before_the_next_look() -> Non
     for _ in range(3):
         w._check_stall()
     assert w.stalled
-    w._count([Record("run", ts=TS, extra={"job": JOB})])  # (it answers)
+    w._count([Record("run", ts=TS, extra={"job": JOB})])  # (it answers: an intent logged)
+    assert w.stalled  # (no sign that the results are written: an intent log is not the store)
+    w.applied += 1  # (it applies)
     assert not w.stalled
 
 
