@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from typing import Any
 
 import aiohttp
@@ -83,6 +84,14 @@ def _holds_secret(value: str, config: Config) -> bool:
     return value in config.secrets or ("://" in value and config.redact(value) != value)
 
 
+def _has_fileno(stream: Any) -> bool:
+    """Whether ``stream`` is a real file (not an application's StringIO, say)."""
+    try:
+        return stream is not None and stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
     """Run ``on_halt`` in a session of its own: killed with whatever it started if it takes
     longer than ``COMMAND_TIMEOUT`` or the alerts are cut short (a child left behind held the
@@ -93,8 +102,11 @@ async def _command(config: Config, command: str, facts: dict[str, Any]) -> None:
            and k not in LIBPQ_SECRETS}
     env.update({f"ASYNCRAWL_{k.upper()}": "" if v is None else str(v) for k, v in facts.items()})
     try:
+        # (what it prints goes to stderr, the log's stream: the run's stdout is its summary,
+        # which a script may read; 3 MB of a command's output came ahead of it)
         proc = await asyncio.create_subprocess_shell(
-            command, env=env, stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            command, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=sys.stderr.fileno()
+            if _has_fileno(sys.stderr) else asyncio.subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         log.warning("on_halt command could not run: %s", e)
         return

@@ -427,7 +427,8 @@ def _early_logging(command: str) -> logging.Handler:
 
 
 async def _run(config: Config, *, ids_path: str | None, progress: bool, total: int | None,
-               metrics_at: str | None = None) -> tuple[Summary, list[tuple[str, int]]]:
+               metrics_at: str | None = None, noted: _Noted | None = None
+               ) -> tuple[Summary, list[tuple[str, int]]]:
     """Run the crawl with the operator's view of it: the live view on a terminal (or a progress
     line every ``progress_interval`` s), and error reasons logged once per kind per interval."""
     import asyncio
@@ -511,10 +512,17 @@ async def _run(config: Config, *, ids_path: str | None, progress: bool, total: i
                 url = await stack.enter_async_context(serving(metrics, metrics_at))
                 log.info("metrics at %s", url)
             async with crawler:
+                if noted is not None:  # (those that came before: the run stops at once; as
+                    # its ``run()`` starts in this very turn of the loop, ``stop`` holds for it)
+                    early, noted.signals[:] = list(noted.signals), []
+                    for signum in early:
+                        on_signal(signum)
                 summary = await crawler.run(IdsFile(ids_path, total) if ids_path else [])
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+        if noted is not None:  # (through the summary: noted, not the process's end)
+            noted.install()
         for task in leaving:
             task.cancel()
         await asyncio.gather(*leaving, return_exceptions=True)
@@ -703,20 +711,53 @@ def cmd_run(args: argparse.Namespace) -> int:
 
                 parse_address(args.metrics)
                 Metrics.check()
-            summary, errors = run_loop(_run(config, ids_path=ids_path, total=total,
-                                            metrics_at=args.metrics,
-                                            progress=not args.no_progress),
-                                       writer=config.state_url is None)
+            with _Noted() as noted:
+                summary, errors = run_loop(_run(config, ids_path=ids_path, total=total,
+                                                metrics_at=args.metrics,
+                                                progress=not args.no_progress, noted=noted),
+                                           writer=config.state_url is None)
+                _report_end(summary, config, total=total, errors=errors,
+                            to_log=args.log_format == "json" or args.log_file is not None)
         finally:
             if spooled:
                 os.unlink(spooled)
                 os.close(spool_fd)
-        _report_end(summary, config, total=total, errors=errors,
-                    to_log=args.log_format == "json" or args.log_file is not None)
         return summary.exit_code
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+class _Noted:
+    """The stop signals (``STOP_SIGNALS``) that come while the run's own handlers are not
+    installed: before (the loop's start, the crawl's imports, the store's open), handed to the
+    run once they are (``signals``); after (the writing process's end, the summary), noted and
+    left: the run's summary and exit code stand. They ended the process there: SIGINT as a
+    ``KeyboardInterrupt`` (exit 130), SIGTERM and SIGHUP by their default, with nothing said
+    and the run's own exit code (a 402's 3, say) lost. A context (the main thread only)."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []  # noted and not yet handed to a run
+        self._before: dict[int, Any] = {}
+
+    def note(self, signum: int, frame: Any = None) -> None:
+        self.signals.append(signum)
+
+    def install(self) -> None:
+        """(Again:) note the stop signals (the run's loop took them over, then gave them back
+        to their defaults)."""
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(ValueError):  # (not the main thread: left as they are)
+                before = signal.signal(sig, self.note)
+                self._before.setdefault(sig, before)
+
+    def __enter__(self) -> _Noted:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, before in self._before.items():
+            signal.signal(sig, before)
 
 
 def _known_lines(config: Config, ids_path: str) -> int | None:

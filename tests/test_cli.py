@@ -531,12 +531,15 @@ def test_alerts_on_halt_command_and_webhook(tmp_path: Path, mock_process: Any) -
     with webhook_receiver() as (hook_url, posts):
         cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state",
                            write_ids(tmp_path / "ids.txt", [f"a{i}" for i in range(3000)]),
-                           alerts={"on_halt": f"env > '{env_file}'", "webhook": hook_url})
+                           alerts={"on_halt": f"env > '{env_file}'; echo ALERT-SAID",
+                                   "webhook": hook_url})
         r = cli("run", "-c", str(cfg), "--no-progress",
                 env={**ENV, "PGPASSWORD": "pg-secret-9c1",  # (libpq's, never the config's)
                      # a variable that holds a secret in part (it went through whole)
                      "HTTPS_PROXY": "http://u:prx-pw-5e1@127.0.0.1:1", "NO_PROXY": "127.0.0.1"})
         assert r.returncode == 3, r.stderr
+    # what the command prints is not in the summary's stream (it came ahead of it)
+    assert "ALERT-SAID" in r.stderr and "ALERT-SAID" not in r.stdout
     assert "pg-secret-9c1" not in env_file.read_text()
     assert "prx-pw-5e1" not in env_file.read_text()
     env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)

@@ -280,3 +280,48 @@ def test_a_second_signal_ends_a_run_whose_store_answers_nothing(
     durable = durable_ok_ids(state)
     log = rerun_fetches_nothing_that_succeeded(cfg, mock, durable)
     assert set(answers(log)) == set(ids)
+
+
+# A run whose own process signals itself at one moment (``WHERE``, patched in): as if the
+# operator's Ctrl-C or a service manager's SIGTERM came exactly then.
+SIGNALLED_AT = """
+import os, signal, sys
+import asyncrawl.cli as cli, asyncrawl.sqlproc as sqlproc
+where, sigs = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+def signalled(module, name):
+    real = getattr(module, name)
+    def at(*a, **k):
+        for s in sigs:
+            os.kill(os.getpid(), s)
+        return real(*a, **k)
+    setattr(module, name, at)
+signalled(*{"summary": (cli, "_report_end"), "start": (sqlproc.Zygote, "start")}[where])
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("where", ["summary", "start"])
+def test_a_signal_outside_the_run_s_own_handlers_ends_nothing_unsaid(
+        tmp_path: Path, mock_process: Any, where: str) -> None:
+    """A stop signal as the summary is written (after the run's loop gave its handlers back)
+    ended the process: SIGINT as a KeyboardInterrupt (exit 130), SIGTERM by its default,
+    the summary and the run's own exit code lost. One at the start (before the loop's
+    handlers) exited 130 with nothing said. Now the summary and the exit code stand; the
+    early one stops the run before it sends anything, and it says so."""
+    import subprocess
+    import sys
+
+    mock = mock_process("--api-key", KEY, "--faults", "none")
+    ids = write_ids(tmp_path / "ids.txt", [f"q{i}" for i in range(20)])
+    cfg = write_config(tmp_path / "c.toml", mock.item_url, tmp_path / "state", ids)
+    r = subprocess.run([sys.executable, "-c", SIGNALLED_AT, where,
+                        f"{signal.SIGTERM.value},{signal.SIGINT.value}", "run", "-c", str(cfg),
+                        "--no-progress"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env={**os.environ, **ENV})
+    if where == "summary":
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert "asyncrawl: finished" in r.stdout and "ok           20" in r.stdout
+    else:
+        assert r.returncode == 143, (r.stdout, r.stderr)  # (the first signal's code)
+        assert "asyncrawl: stopped early" in r.stdout, (r.stdout, r.stderr)
+        assert read_log(mock.log_path) == []  # nothing sent
