@@ -9,7 +9,8 @@ rate out of the way) fetches that many IDs from ``throughput.py``'s nginx (stati
 answers, keep-alive) with ``--concurrency`` requests in flight. Every ``--every`` seconds it
 reads from ``/proc`` the resident set (``VmRSS``) of the run's process and of its children
 (the SQLite store's writing process). It prints the samples and each process's high-water mark
-(``VmHWM``, read at the last sample), then the run's peak at the largest size over its peak at
+(``VmHWM``, the highest read at any sample: a child gone before the last
+keeps its own), then the run's peak at the largest size over its peak at
 the smallest: a crawl whose memory grows with the number of IDs shows it there. Flat memory at
 any list size is a promise of the package; issue 14 allowed the state's commands 1.2 × from
 100 k to 10 M IDs, and this allows a crawl the same 1.2 × from 1 M to 10 M (below).
@@ -84,8 +85,9 @@ def crawl(n: int, concurrency: int, every: float) -> Crawl:
         proc = subprocess.Popen([str(command), *argv, "--no-progress"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         samples: list[tuple[float, int, list[int]]] = []  # (s, run's MB, its children's MB)
-        peaks: tuple[int | None, list[int | None]] = (None, [])
-        while proc.poll() is None:
+        run_peak: int | None = None
+        kid_peaks: dict[int, int] = {}  # each child's highest VmHWM seen (kept once it is gone:
+        while proc.poll() is None:  # a writer that exits before the last sample had no peak)
             time.sleep(every)
             kids = children(proc.pid)
             run = status(proc.pid, "VmRSS")
@@ -93,12 +95,16 @@ def crawl(n: int, concurrency: int, every: float) -> Crawl:
                 break
             samples.append((time.monotonic() - t0, run,
                             [mb for mb in (status(k, "VmRSS") for k in kids) if mb is not None]))
-            peaks = (status(proc.pid, "VmHWM"), [status(k, "VmHWM") for k in kids])
+            run_peak = max(run_peak or 0, status(proc.pid, "VmHWM") or 0) or None
+            for k in kids:
+                hwm = status(k, "VmHWM")
+                if hwm is not None:
+                    kid_peaks[k] = max(kid_peaks.get(k, 0), hwm)
         _, err = proc.communicate()
         elapsed = time.monotonic() - t0
-    if proc.returncode != 0 or not samples or peaks[0] is None:
+    if proc.returncode != 0 or not samples or run_peak is None:
         raise SystemExit(f"asyncrawl run exited {proc.returncode}:\n{err[-2000:]}")
-    return Crawl(samples, (peaks[0], peaks[1]), elapsed)
+    return Crawl(samples, (run_peak, list(kid_peaks.values())), elapsed)
 
 
 def main() -> int:
