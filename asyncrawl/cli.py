@@ -392,10 +392,7 @@ def setup_logging(config: Config, fmt: str, log_file: str | None) -> logging.Han
     log.propagate = False
     for early in [h for h in log.handlers if h.name == EARLY]:  # (``main``'s: now this one's)
         log.removeHandler(early)
-        held = getattr(early, "buffer", [])
-        for record in held:
-            handler.handle(record)
-        held.clear()
+        _said_early(early, handler)
     return handler
 
 
@@ -1025,11 +1022,14 @@ def main(argv: list[str] | None = None) -> int:
         _said_early(early)
 
 
-def _said_early(early: logging.Handler) -> None:
-    """What ``_early_logging`` held, to stderr as the console writes it (the command stopped
-    before its own logging took it over), once."""
+def _said_early(early: logging.Handler, handler: logging.Handler | None = None) -> None:
+    """What ``_early_logging`` held, once: to the command's own ``handler``, or (the command
+    stopped before its logging took it over) to stderr as the console writes it."""
     held = getattr(early, "buffer", [])
     plain = logging.Formatter(PLAIN)
     for record in held:
-        print(plain.format(record), file=sys.stderr)
+        if handler is not None:
+            handler.handle(record)
+        else:
+            print(plain.format(record), file=sys.stderr)
     held.clear()

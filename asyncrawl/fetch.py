@@ -49,7 +49,7 @@ import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
-from urllib.parse import quote, quote_plus, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
 
 import aiohttp
 import orjson
@@ -733,10 +733,8 @@ def _ours(url: URL, headers: Mapping[str, str], body: Any, data: bytes | None,
     ours = {v for k, v in url.query.items() if cfg.is_secret_param(k)}
     for k, v in headers.items():
         if cfg.is_secret_header(k):
-            ours.update((v, v.split()[-1] if v.split() else v))
+            ours.update((v, *v.split()[-1:]))
     if data:  # (a form body: its fields; any other text has no names to go by)
-        from urllib.parse import parse_qsl
-
         with contextlib.suppress(ValueError):
             ours.update(v for k, v in parse_qsl(data.decode("utf-8", "replace"))
                         if cfg.is_secret_param(k))

@@ -1172,15 +1172,14 @@ class PgStore:
             live = self._runs_alive(db, LIVE)
             # the calls of the open intents not in doubt: in flight (a live run's), or answered
             # and to be tried again; a dead run's are in doubt, whatever the other runs do
-            dead = _DEAD_RUN
-            open_doubt = (f"count(*) FILTER (WHERE {UNANSWERED_CALL} AND {dead})" if has
-                          else f"count(*) FILTER (WHERE {dead})")
-            job_live = {"job": self.job_name, "live": LIVE}
+            open_doubt = (f"count(*) FILTER (WHERE {UNANSWERED_CALL} AND {_DEAD_RUN})" if has
+                          else f"count(*) FILTER (WHERE {_DEAD_RUN})")
             open_sent, open_unanswered, open_lost, open_doubtful = db.execute(
-                f"SELECT count(*) FILTER (WHERE NOT {dead}), count(*) FILTER (WHERE doubt = 2 "
-                f"AND {dead}), coalesce({calls_open} FILTER (WHERE doubt IS NULL), 0), "
-                f"{open_doubt} FROM asyncrawl_items WHERE job = %(job)s AND {OPEN} AND "
-                f"sent_run IS NOT NULL AND {NOT_IN_DOUBT}", job_live).fetchone()
+                f"SELECT count(*) FILTER (WHERE NOT {_DEAD_RUN}), count(*) FILTER (WHERE "
+                f"doubt = 2 AND {_DEAD_RUN}), coalesce({calls_open} FILTER (WHERE doubt IS "
+                f"NULL), 0), {open_doubt} FROM asyncrawl_items WHERE job = %(job)s AND {OPEN} "
+                f"AND sent_run IS NOT NULL AND {NOT_IN_DOUBT}",
+                {"job": self.job_name, "live": LIVE}).fetchone()
             runs = db.execute("SELECT count(*) FROM asyncrawl_runs WHERE job = %s",
                               (self.job_name,)).fetchone()[0]
             # the job's halt is the one of the run that ended last: a process stopped by a

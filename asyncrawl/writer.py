@@ -483,12 +483,10 @@ class ProcessWriter(_Reporting):
             self._fail(StorageError(error))  # (the message names the path)
             return
         # (it answers "logged" for a batch before "applied")
-        if what == "logged":
-            while self._to_log and self._to_log[0][0] <= seq:
-                self._durable(self._to_log.popleft()[1])
-        else:
-            while self._to_apply and self._to_apply[0][0] <= seq:
-                self._durable(self._to_apply.popleft()[1])
+        pending: collections.deque[Any] = self._to_log if what == "logged" else self._to_apply
+        while pending and pending[0][0] <= seq:
+            self._durable(pending.popleft()[1])
+        if what != "logged":
             self.applied += 1  # (one apply: one commit of the database)
             self._reported([])  # (waiters held by ``_lagging`` alone: no entries to report)
         self._check_idle()
